@@ -292,4 +292,3 @@ def eigenvalues(f: torch.Tensor) -> torch.Tensor:
     self-adjoint operator are its eigenfunctions scaled by sqrt(lambda_l)."""
     _check_2d("f", f)
     return (f.to(_compute_dtype(f)) ** 2).mean(0)
-
