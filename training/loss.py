@@ -189,20 +189,25 @@ class _CDK(torch.autograd.Function):
         g = torch.cat([ones, g], dim=1)
         lam_f, lam_g = _gram(f), _gram(g)
         h = f * g  # (B, L+1): per-pair products f_l(x_b) g_l(y_b)
-        ctx.save_for_backward(f, g, h, m, M, lam_f, lam_g)
+        hM = h @ M  # (B, L+1): sum_i M_il f_i(x_b) g_i(y_b), reused by the backward
+        ctx.save_for_backward(f, g, hM, m, M, lam_f, lam_g)
         # <g_l, K f_l> = E_{p(x,y)}[f_l(X) g_l(Y)]
         operator = -2.0 * (h.mean(0) * m).sum()
         # The metric term needs x and y independent; the pairs (x_b, y_b) are not, so the
-        # U-statistic over all pairs b != b' removes the B paired terms.
-        paired = ((h @ Msym) * h).sum()
+        # U-statistic over all pairs b != b' removes the B paired terms h_b^T Msym h_b.
+        if torch.equal(M, Msym):  # joint nesting
+            paired = (hM * h).sum()
+        elif bool((Msym == 1).all()):  # sequential: the value is the full LoRA objective
+            paired = (h.sum(1) ** 2).sum()
+        else:
+            paired = ((h @ Msym) * h).sum()
         metric = (B * B * (Msym * lam_f * lam_g).sum() - paired) / (B * (B - 1))
         return operator + metric
 
     @staticmethod
     def backward(ctx, grad_out):
-        f, g, h, m, M, lam_f, lam_g = ctx.saved_tensors
+        f, g, hM, m, M, lam_f, lam_g = ctx.saved_tensors
         B = f.shape[0]
-        hM = h @ M  # (B, L+1): sum_i M_il f_i(x_b) g_i(y_b)
         c = 2.0 / (B * (B - 1))
         grad_f = c * (B * f @ (M * lam_g) - g * hM) - (2.0 / B) * g * m
         grad_g = c * (B * g @ (M * lam_f) - f * hM) - (2.0 / B) * f * m
