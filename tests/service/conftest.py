@@ -67,17 +67,15 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def live_server(tmp_path_factory, fake_index):
-    """A real uvicorn server on 127.0.0.1 in a thread; yields its base URL."""
-    index_dir, embedder = fake_index
-    settings = Settings(index=index_dir, max_k=20, default_k=6)
-    app = create_app(settings, loader=lambda s: RetrievalEngine(
-        embedder, load_index(index_dir, embedder.checkpoint_sha256), s.max_pixels))
+def live_server(real_index, small_gallery):
+    """A real uvicorn server on 127.0.0.1 (thread) serving the real checkpoint and index."""
+    settings = Settings(index=real_index, max_k=20, default_k=6)
+    app = create_app(settings)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("uvicorn did not start")
