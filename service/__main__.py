@@ -37,12 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--index", default=None, help="index folder (SKETCHSVD_INDEX)")
     p.add_argument("--checkpoint", default=None, help="default: from the index sidecar")
     p.add_argument("--photos-dir", default=None, help="default: from the index sidecar")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default=None, help="default 127.0.0.1 (SKETCHSVD_HOST)")
+    p.add_argument("--port", type=int, default=None, help="default 8000 (SKETCHSVD_PORT)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
-    overrides = {k: v for k, v in (("index", args.index), ("checkpoint", args.checkpoint),
-                                   ("photos_dir", args.photos_dir)) if v is not None}
+    flags = {"index": args.index, "checkpoint": args.checkpoint, "photos_dir": args.photos_dir,
+             "host": args.host, "port": args.port}
+    overrides = {k: v for k, v in flags.items() if v is not None}
     settings = Settings(**overrides)
     try:
         read_sidecar(settings.index)
@@ -51,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    print(f"serving on http://{args.host}:{args.port}/ (open it in a browser to draw)", flush=True)
-    uvicorn.run(create_app(settings), host=args.host, port=args.port,
+    print(f"serving on http://{settings.host}:{settings.port}/ (open it in a browser to draw)",
+          flush=True)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level=args.log_level, access_log=False)
     return 0
 

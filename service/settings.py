@@ -17,6 +17,8 @@ class Settings(BaseSettings):
     # Default: the photo folder recorded in the sidecar (override it when the photos moved,
     # e.g. into a container volume).
     photos_dir: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
     device: str | None = None
     threads: int = Field(default=1, ge=1, description="torch/FAISS threads per inference")
     inference_slots: int = Field(default=2, ge=1, description="concurrent model forwards")
