@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from index.kinds import gpu_available, to_gpu
 from index.model import Embedder, load_embedder
 from index.store import GalleryIndex, IndexCorruptError, load_index, read_sidecar
 from service.images import decode_image
@@ -147,6 +148,9 @@ def load_engine(settings: Settings) -> RetrievalEngine:
     checkpoint = find_checkpoint(settings)
     embedder = load_embedder(checkpoint, device=settings.device)
     gallery = load_index(settings.index, checkpoint_sha256=embedder.checkpoint_sha256, mmap=True)
+    if gpu_available() and gallery.sidecar.kind in ("flat", "ivf"):
+        gallery.index = to_gpu(gallery.index)  # HNSW has no GPU version in FAISS
+        log.info("index moved to GPU")
     log.info("loaded %s (L=%d, %s) and index %s (%d photos, %d dims, %s)", checkpoint,
              embedder.L, embedder.backbone, settings.index, len(gallery), gallery.dims,
              gallery.sidecar.kind)

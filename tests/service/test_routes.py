@@ -238,3 +238,17 @@ def test_cors_preflight(client):
                                             "Access-Control-Request-Method": "POST"})
     assert r.status_code == 200
     assert r.headers["access-control-allow-origin"] == "http://example.test"
+
+
+def test_settings_from_environment(monkeypatch, tmp_path):
+    from service.settings import Settings
+
+    monkeypatch.setenv("SKETCHSVD_INDEX", str(tmp_path))
+    monkeypatch.setenv("SKETCHSVD_MAX_K", "7")
+    monkeypatch.setenv("SKETCHSVD_CORS_ORIGINS", '["http://a.test", "http://b.test"]')
+    s = Settings()
+    assert (s.index, s.max_k, s.cors_origins) == (tmp_path, 7, ["http://a.test", "http://b.test"])
+    assert Settings(max_k=3).max_k == 3  # explicit values win over the environment
+    monkeypatch.setenv("SKETCHSVD_MAX_K", "0")
+    with pytest.raises(ValueError, match="max_k"):
+        Settings()
