@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 
+from index.store import IndexStoreError
 from service.engine import RetrievalEngine, load_engine
 from service.middleware import AccessLogMiddleware, BodyLimitMiddleware
 from service.routes import photos, retrieve, system, web
@@ -28,7 +29,11 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         start = time.perf_counter()
-        app.state.engine = loader(settings)
+        try:
+            app.state.engine = loader(settings)
+        except (IndexStoreError, OSError, ValueError, RuntimeError) as err:
+            log.error("cannot start: %s", err)
+            raise
         log.info("ready in %.1fs", time.perf_counter() - start)
         yield
         app.state.engine = None
