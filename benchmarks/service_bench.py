@@ -81,8 +81,11 @@ def parse_timing(header: str) -> dict[str, float]:
 
 
 async def load(base: str, bodies: list[bytes], concurrency: int, requests: int, dims: int,
-               k: int) -> dict:
-    """`requests` POSTs with `concurrency` in flight; latencies in ms."""
+               k: int, batch: int = 0) -> dict:
+    """`requests` POSTs with `concurrency` in flight; latencies in ms.
+
+    batch=0 posts one sketch to /retrieve; batch=B posts B sketches to /retrieve/batch.
+    """
     latencies: list[float] = []
     timings: list[dict[str, float]] = []
     errors: list[str] = []
@@ -93,12 +96,20 @@ async def load(base: str, bodies: list[bytes], concurrency: int, requests: int, 
 
         async def worker() -> None:
             for i in counter:
-                body = bodies[i % len(bodies)]
+                params = {"dims": dims, "k": k}
                 t0 = time.perf_counter()
                 try:
-                    r = await client.post("/retrieve", params={"dims": dims, "k": k},
-                                          files={"file": ("q.png", body, "image/png")})
-                    ok = r.status_code == 200 and len(r.json()["results"]) == k
+                    if batch:
+                        files = [("files", (f"q{j}.png", bodies[(i * batch + j) % len(bodies)],
+                                            "image/png")) for j in range(batch)]
+                        r = await client.post("/retrieve/batch", params=params, files=files)
+                        ok = r.status_code == 200 and [len(q["results"]) for q in
+                                                       r.json()["queries"]] == [k] * batch
+                    else:
+                        body = bodies[i % len(bodies)]
+                        r = await client.post("/retrieve", params=params,
+                                              files={"file": ("q.png", body, "image/png")})
+                        ok = r.status_code == 200 and len(r.json()["results"]) == k
                 except httpx.HTTPError as err:
                     errors.append(repr(err))
                     continue
@@ -140,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--threads", type=int, default=1, help="server torch threads per forward")
     p.add_argument("--slots", type=int, default=2, help="server concurrent forwards")
+    p.add_argument("--batch", type=int, default=8, help="sketches per /retrieve/batch request")
     args = p.parse_args(argv)
 
     index = args.index or prepare_index(args.work, args.data, args.classes)
@@ -178,6 +190,14 @@ def main(argv: list[str] | None = None) -> int:
         print("split of one request (median of 32, ms): " + ", ".join(
             f"{s} {split[s]:.2f}" for s in STAGES)
             + f", http+multipart+json {total - sum(split.values()):.2f}, total {total:.2f}")
+        if args.batch:
+            n = max(1, args.requests // args.batch)
+            res = asyncio.run(load(base, bodies, 1, n, dims, args.k, batch=args.batch))
+            total_errors += len(res["errors"])
+            print(f"batch form, {args.batch} sketches per request, concurrency 1: "
+                  f"{n * args.batch / res['wall']:.1f} sketches/s, p50 "
+                  f"{np.percentile(res['latencies'], 50):.1f} ms per request, "
+                  f"{len(res['errors'])} errors")
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -228,9 +228,3 @@ def load_index(
         )
     return GalleryIndex(folder, index, sidecar, photos)
 
-
-def reconstruct_all(index: faiss.Index) -> np.ndarray:
-    """All stored vectors (N, d) as float32 (flat and HNSW store them verbatim)."""
-    if isinstance(index, faiss.IndexIVF):
-        index.make_direct_map()
-    return index.reconstruct_n(0, index.ntotal)

@@ -86,3 +86,18 @@ def test_python_m_service_starts_and_serves(real_index, small_sketches):
         out, _ = proc.communicate(timeout=20)
     assert f"serving on http://127.0.0.1:{port}/" in out
     assert "POST /retrieve?k=7 200" in out  # access log with latency
+
+
+def test_benchmark_load_runs_without_errors(live_server, small_sketches):
+    import asyncio
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("service_bench",
+                                                  REPO / "benchmarks" / "service_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    single = asyncio.run(bench.load(live_server, small_sketches, 4, 8, dims=8, k=5))
+    assert single["errors"] == [] and len(single["latencies"]) == 8
+    assert set(single["timings"][0]) == set(bench.STAGES)
+    batched = asyncio.run(bench.load(live_server, small_sketches, 1, 2, dims=4, k=3, batch=3))
+    assert batched["errors"] == [] and len(batched["latencies"]) == 2
