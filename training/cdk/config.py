@@ -47,6 +47,7 @@ class Config:
     gallery_queries: int = 6
     gallery_topk: int = 8
     out: str = "runs/cdk"
+    threads: int = 0  # torch CPU threads; 0 keeps torch's default
     preset: str = "cpu"
 
 
