@@ -102,7 +102,9 @@ def test_joint_nesting_recovers_exact_cdk_spectrum(tmp_path):
     assert exact[0] - exact[1] > 0.1  # distinct modes, so the order is informative
 
 
-def test_cli_parsing_rules():
+def test_cli_parsing_rules(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
     cfg = parse_args(["--data", "d", "--preset", "paper", "--seed", "3"])
     assert (cfg.L, cfg.hidden, cfg.batch_size, cfg.epochs, cfg.lr, cfg.mu) == \
         (512, 8192, 4096, 10, 5e-3, 16.0)
@@ -111,6 +113,7 @@ def test_cli_parsing_rules():
     for bad in (["--data", "d", "--nosuchflag", "1"], ["--data", "d", "--method", "pca"],
                 ["--data", "d", "--preset", "gpu"], ["--data", "d", "--epochs", "two"],
                 ["--data", "d", "--backbone", "resnet"], ["--split", "sketchy2"],
-                ["--data", "d", "--L", "0"]):
+                ["--data", "d", "--L", "0"], ["--data", "nodir"],
+                ["--data", "d", "--split", "sketchy3"]):
         with pytest.raises(SystemExit):
             parse_args(bad)

@@ -87,7 +87,8 @@ def run(cfg: Config) -> dict:
     res = train(cfg, data, bb, out, device=device)
     train_seconds = time.perf_counter() - t0
     if rank != 0:
-        dist.barrier()
+        dist.barrier()  # wait for rank 0's evaluation
+        dist.destroy_process_group()
         return {}
 
     dev = next(res.heads["sketch"].parameters()).device
@@ -128,4 +129,5 @@ def run(cfg: Config) -> dict:
                  cfg.seed)
     if dist.is_initialized():
         dist.barrier()
+        dist.destroy_process_group()
     return metrics
