@@ -92,6 +92,13 @@ def _efficientnet_lite0(weights: str | None) -> tuple[nn.Module, int]:
     return PooledFeatures(_EfficientNetTrunk(net)), 1280
 
 
+def _vgg16_trunk() -> nn.Module:
+    # Only the convolutional part of torchvision's VGG16 (no 120M-parameter classifier).
+    from torchvision.models import vgg
+
+    return vgg.make_layers(vgg.cfgs["D"], batch_norm=False)
+
+
 def _vgg16(weights: str | None) -> tuple[nn.Module, int]:
     import torchvision
 
@@ -105,7 +112,7 @@ def _vgg16(weights: str | None) -> tuple[nn.Module, int]:
             ) from e
         trunk = full.features
     else:
-        trunk = torchvision.models.vgg16(weights=None).features
+        trunk = _vgg16_trunk()
         sd = _load_state_dict(weights)
         # Accept a full torchvision VGG16 state dict (features.* + classifier.*) or the
         # convolutional part alone; the classifier is not used.
@@ -135,7 +142,6 @@ def build_backbone(name: str, weights: str | None = None) -> Backbone:
 
 def bare_backbone(name: str) -> Backbone:
     """The architecture of ``name`` without loading weights (to receive a stored state)."""
-    import torchvision
     from efficientnet_lite_pytorch import EfficientNet
 
     if name == "efficientnet-lite0":
@@ -143,7 +149,7 @@ def bare_backbone(name: str) -> Backbone:
         net._fc = nn.Identity()
         module, dim = PooledFeatures(_EfficientNetTrunk(net)), 1280
     elif name == "vgg16":
-        module, dim = PooledFeatures(torchvision.models.vgg16(weights=None).features), 512
+        module, dim = PooledFeatures(_vgg16_trunk()), 512
     else:
         raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(BACKBONES)}")
     return Backbone(name, module.eval(), dim, IMAGENET_MEAN, IMAGENET_STD)

@@ -49,6 +49,22 @@ def atomic_save(obj, path: str | Path) -> Path:
     return path
 
 
+def atomic_write_text(text: str, path: str | Path) -> Path:
+    """Write ``text`` to a temp file in the target folder, then rename over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
 def save_checkpoint(
     path: str | Path,
     *,

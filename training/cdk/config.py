@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 __all__ = ["Config", "PRESETS", "METHODS", "NESTING_OF", "make_config", "parse_args"]
 
@@ -47,6 +48,7 @@ class Config:
     gallery_queries: int = 6
     gallery_topk: int = 8
     out: str = "runs/cdk"
+    threads: int = 0  # torch CPU threads; 0 keeps torch's default
     preset: str = "cpu"
 
 
@@ -126,6 +128,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
             help=f"(default {f.default!r}, before the preset)",
         )
     args = vars(p.parse_args(argv))
+    if not Path(args["data"]).is_dir():
+        p.error(f"--data {args['data']!r} is not a folder")
+    split = args.get("split", Config.split)
+    if split not in ("sketchy1", "sketchy2") and not Path(split).is_file():
+        p.error(f"--split must be sketchy2, sketchy1 or an existing FILE, got {split!r}")
     preset = args.pop("preset", Config.preset)
     try:
         return make_config(preset, **args)
