@@ -48,3 +48,27 @@ def test_other_checkpoint_is_refused(tmp_path, real_index):
     sha = Embedder.from_checkpoint(other, device="cpu").checkpoint_sha256
     with pytest.raises(IndexMismatchError, match="was built from checkpoint sha256"):
         load_index(real_index, checkpoint_sha256=sha)
+
+
+def test_index_rankings_reproduce_training_evaluation(real_embedder, real_index, small_gallery):
+    """mAP@all from FAISS results equals training.cdk.evaluate's brute-force mAP for every d."""
+    from training.cdk.evaluate import retrieval_metrics
+
+    ix = load_index(real_index, checkpoint_sha256=real_embedder.checkpoint_sha256)
+    root, photos = scan_gallery(small_gallery)
+    classes = sorted({p.cls for p in photos})
+    g_labels = np.array([classes.index(p.cls) for p in photos])
+    # Queries: the gallery photos turned grey and posterised, one per photo, labelled by class.
+    queries = [read_rgb(root / p.path).convert("L").point(lambda v: 255 * (v > 128))
+               for p in photos]
+    f = real_embedder.embed(queries, "sketch")  # (15, 8)
+    g = ix.index.reconstruct_n(0, len(ix))  # (15, 8) stored photo embeddings
+    for d in (1, 2, 4, 8):
+        scores, rows = ix.search(f[:, :d], k=len(ix))
+        rel = g_labels[rows] == g_labels[:, None]  # (15, 15) in ranked order
+        cum = np.cumsum(rel, axis=1)
+        ap = (rel * cum / np.arange(1, len(ix) + 1)).sum(1) / rel.sum(1)
+        p5 = cum[:, 4] / 5
+        ref = retrieval_metrics(f[:, :d], g[:, :d], g_labels, g_labels, k=5)
+        assert abs(ap.mean() - ref["map_all"]) < 1e-6, d
+        assert abs(p5.mean() - ref["precision_at_k"]) < 1e-6, d
