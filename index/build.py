@@ -20,7 +20,14 @@ from pathlib import Path
 from index.gallery import embed_photos, scan_gallery
 from index.kinds import KINDS, choose_kind, recall_at_k
 from index.model import Embedder, load_embedder
-from index.store import FORMAT_VERSION, METRIC, Sidecar, now_utc, write_index
+from index.store import (
+    FORMAT_VERSION,
+    METRIC,
+    Sidecar,
+    check_replaceable,
+    now_utc,
+    write_index,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +77,7 @@ def build_index(
     dims = embedder.L if dims is None else dims
     if not 1 <= dims <= embedder.L:
         raise ValueError(f"--dims {dims} is outside [1, L={embedder.L}] of the checkpoint")
+    check_replaceable(Path(out).absolute())  # fail before minutes of embedding, not after
     root, gallery = scan_gallery(photos)
     kind = choose_kind(len(gallery), kind)
     vectors = embed_photos(embedder, root, gallery, dims, batch_size, progress)  # (N, dims)

@@ -125,6 +125,21 @@ class GalleryIndex:
         return root / photo.path
 
 
+def check_replaceable(out: Path) -> None:
+    """Only an empty folder or a folder holding exactly an index may be replaced."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"{str(out)!r} exists and is not a folder; not replacing it")
+    names = {p.name for p in out.iterdir()}
+    ours = {INDEX_FILE, SIDECAR_FILE, META_FILE}
+    if names and (SIDECAR_FILE not in names or not names <= ours):
+        raise FileExistsError(
+            f"{str(out)!r} exists and is not an index folder (it holds "
+            f"{sorted(names - ours)[:5] or sorted(names)}); choose another --out"
+        )
+
+
 def write_index(
     out_dir: str | Path, index: faiss.Index, sidecar: Sidecar, photos: list[Photo]
 ) -> Path:
@@ -135,6 +150,7 @@ def write_index(
             f"the sidecar says {sidecar.count}"
         )
     out = Path(out_dir).absolute()
+    check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

@@ -217,3 +217,18 @@ def test_cli_build_and_append(tmp_path, gallery, embedder, monkeypatch, capsys):
 def test_build_rejects_dims_beyond_L(tmp_path, gallery, embedder):
     with pytest.raises(ValueError, match="--dims 9 is outside"):
         build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt", dims=9, progress=False)
+
+
+def test_refuses_to_replace_a_folder_that_is_not_an_index(tmp_path, gallery, embedder):
+    precious = tmp_path / "home"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    with pytest.raises(FileExistsError, match=r"not an index folder \(it holds \['thesis"):
+        build_index(embedder, gallery, precious, "ckpt.pt", progress=False)
+    assert (precious / "thesis.tex").read_text() == "years of work"
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(FileExistsError, match="is not a folder"):
+        build_index(embedder, gallery, tmp_path / "afile", "ckpt.pt", progress=False)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert build_index(embedder, gallery, empty, "ckpt.pt", progress=False).sidecar.count == 15
