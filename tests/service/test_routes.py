@@ -252,3 +252,22 @@ def test_settings_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("SKETCHSVD_MAX_K", "0")
     with pytest.raises(ValueError, match="max_k"):
         Settings()
+
+
+def test_photos_dir_override(tmp_path, fake_index, settings):
+    import shutil
+
+    from index.store import load_index
+    from service.engine import RetrievalEngine
+
+    index_dir, embedder = fake_index
+    gallery = load_index(index_dir)
+    moved = tmp_path / "moved"
+    engine = RetrievalEngine(embedder, gallery, settings.max_pixels, photos_root=moved)
+    client = TestClient(create_app(settings, loader=lambda s: engine))
+    with client:
+        r = client.get("/photos/c0_0_000")
+        assert r.status_code == 404 and "is indexed but" in r.json()["detail"]
+        shutil.copytree(gallery.sidecar.photos_root, moved)
+        r = client.get("/photos/c0_0_000")
+        assert r.status_code == 200 and r.content == (moved / "class0/c0_0_000.jpg").read_bytes()
