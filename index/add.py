@@ -77,24 +77,41 @@ def print_append(report: AppendReport) -> None:
     print(f"  now {s.count} photos, kind={s.kind}, dims={s.dims} of L={s.L}")
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass(frozen=True)
+class AddConfig:
+    index: str = ""
+    photos: str = ""
+    checkpoint: str | None = None  # None: the checkpoint recorded in the sidecar
+    batch_size: int = 32
+    device: str | None = None
+    threads: int = 2
+    progress: bool = True
+
+
+def parse_args(argv: list[str] | None = None) -> AddConfig:
+    defaults = AddConfig()
     p = argparse.ArgumentParser(prog="python -m index.add", description=__doc__.split("\n")[0])
     p.add_argument("--index", required=True, help="existing index folder")
     p.add_argument("--photos", required=True, help="folder of <class>/<photo> to add")
-    p.add_argument("--checkpoint", default=None, help="default: the one in the sidecar")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--device", default=None)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--checkpoint", default=defaults.checkpoint,
+                   help="default: the one in the sidecar")
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--device", default=defaults.device)
+    p.add_argument("--threads", type=int, default=defaults.threads)
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    args = p.parse_args(argv)
+    return dataclasses.replace(defaults, **vars(p.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     from index.build import set_threads
     from index.store import read_sidecar
 
-    set_threads(args.threads)
-    checkpoint = args.checkpoint or read_sidecar(args.index).checkpoint
-    embedder = load_embedder(checkpoint, device=args.device)
-    print_append(append_photos(embedder, args.index, args.photos, args.batch_size, args.progress))
+    set_threads(cfg.threads)
+    checkpoint = cfg.checkpoint or read_sidecar(cfg.index).checkpoint
+    embedder = load_embedder(checkpoint, device=cfg.device)
+    print_append(append_photos(embedder, cfg.index, cfg.photos, cfg.batch_size, cfg.progress))
     return 0
 
 
