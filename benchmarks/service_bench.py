@@ -1,0 +1,208 @@
+"""Bounded load test of the retrieval service on 127.0.0.1, and the split of a request's time.
+
+    python benchmarks/service_bench.py                       # builds runs/bench/index once
+    python benchmarks/service_bench.py --index runs/index    # an existing index
+
+Starts `python -m service` as a separate process on a free local port, sends a fixed number
+of `POST /retrieve` requests at each concurrency (1, 4, 16), and prints p50/p99 latency,
+throughput and the error count (which must be zero). The split of one request into decode,
+preprocess, backbone, head and search comes from the server's `Server-Timing` header; the
+rest of the client-side latency is HTTP, multipart parsing and JSON.
+
+Without --index it builds one from an untrained checkpoint shaped like the `cpu` preset
+(EfficientNet-Lite0 at 224 px, head 1024 -> L=256; timing does not depend on training) over
+the sketchy-mini photos.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data" / "sketchy-mini"
+STAGES = ("decode", "preprocess", "backbone", "head", "search")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_index(out: Path, data: Path, classes: int | None) -> Path:
+    """An index over sketchy-mini photos from a cpu-preset-shaped untrained checkpoint."""
+    if (out / "index" / "index.json").is_file():
+        return out / "index"
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from index.build import build_index
+    from index.model import load_embedder
+    from training.cdk.checkpoint import init_checkpoint
+
+    torch.set_num_threads(2)
+    photos = data / "photo"
+    if classes is not None:  # a smaller gallery: links to the first `classes` classes
+        photos = out / "photos"
+        for cls in sorted(p.name for p in (data / "photo").iterdir())[:classes]:
+            (photos / cls).mkdir(parents=True, exist_ok=True)
+            for f in (data / "photo" / cls).iterdir():
+                link = photos / cls / f.name
+                if not link.exists():
+                    link.symlink_to(f)
+    ckpt = init_checkpoint(out / "checkpoint.pt", L=256, hidden=1024, image_size=224)
+    build_index(load_embedder(ckpt, device="cpu"), photos, out / "index", ckpt)
+    return out / "index"
+
+
+def sketches(data: Path, n: int = 32) -> list[bytes]:
+    files = sorted((data / "sketch").glob("*/*.png"))
+    step = max(1, len(files) // n)
+    return [f.read_bytes() for f in files[::step][:n]]
+
+
+def parse_timing(header: str) -> dict[str, float]:
+    out = {}
+    for part in header.split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        out[name] = float(dur)
+    return out
+
+
+async def load(base: str, bodies: list[bytes], concurrency: int, requests: int, dims: int,
+               k: int, batch: int = 0) -> dict:
+    """`requests` POSTs with `concurrency` in flight; latencies in ms.
+
+    batch=0 posts one sketch to /retrieve; batch=B posts B sketches to /retrieve/batch.
+    """
+    latencies: list[float] = []
+    timings: list[dict[str, float]] = []
+    errors: list[str] = []
+    counter = iter(range(requests))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as client:
+
+        async def worker() -> None:
+            for i in counter:
+                params = {"dims": dims, "k": k}
+                t0 = time.perf_counter()
+                try:
+                    if batch:
+                        files = [("files", (f"q{j}.png", bodies[(i * batch + j) % len(bodies)],
+                                            "image/png")) for j in range(batch)]
+                        r = await client.post("/retrieve/batch", params=params, files=files)
+                        ok = r.status_code == 200 and [len(q["results"]) for q in
+                                                       r.json()["queries"]] == [k] * batch
+                    else:
+                        body = bodies[i % len(bodies)]
+                        r = await client.post("/retrieve", params=params,
+                                              files={"file": ("q.png", body, "image/png")})
+                        ok = r.status_code == 200 and len(r.json()["results"]) == k
+                except httpx.HTTPError as err:
+                    errors.append(repr(err))
+                    continue
+                latencies.append(1000 * (time.perf_counter() - t0))
+                if ok:
+                    timings.append(parse_timing(r.headers["server-timing"]))
+                else:
+                    errors.append(f"{r.status_code} {r.text[:200]}")
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return {"latencies": latencies, "timings": timings, "errors": errors, "wall": wall}
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"service exited with {proc.returncode}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"service not healthy after {timeout:.0f}s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--index", type=Path, default=None)
+    p.add_argument("--data", type=Path, default=DATA)
+    p.add_argument("--work", type=Path, default=REPO / "runs" / "bench")
+    p.add_argument("--classes", type=int, default=None, help="gallery classes (default all)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
+    p.add_argument("--dims", type=int, default=None, help="default: all stored dims")
+    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1, help="server torch threads per forward")
+    p.add_argument("--slots", type=int, default=2, help="server concurrent forwards")
+    p.add_argument("--batch", type=int, default=8, help="sketches per /retrieve/batch request")
+    args = p.parse_args(argv)
+
+    index = args.index or prepare_index(args.work, args.data, args.classes)
+    bodies = sketches(args.data)
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
+           "SKETCHSVD_THREADS": str(args.threads), "SKETCHSVD_INFERENCE_SLOTS": str(args.slots),
+           "SKETCHSVD_MAX_K": str(max(100, args.k))}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "service", "--index", str(index), "--port", str(port),
+         "--log-level", "warning"], cwd=REPO, env=env)
+    try:
+        wait_healthy(base, server)
+        info = httpx.get(base + "/info").json()
+        dims = args.dims or info["available_dims"]["max"]
+        print(f"index {index}: {info['gallery_size']} photos, {info['backbone']}, L={info['L']}, "
+              f"dims={dims}, k={args.k}, {os.cpu_count()} CPUs, server threads={args.threads} "
+              f"slots={args.slots}")
+        asyncio.run(load(base, bodies, 2, 8, dims, args.k))  # warm-up
+        print(f"{'conc':>4} {'reqs':>5} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7} {'errors':>6}")
+        total_errors = 0
+        for c in args.concurrency:
+            res = asyncio.run(load(base, bodies, c, args.requests, dims, args.k))
+            lat = np.array(res["latencies"])
+            total_errors += len(res["errors"])
+            print(f"{c:>4} {args.requests:>5} {np.percentile(lat, 50):>8.1f} "
+                  f"{np.percentile(lat, 99):>8.1f} {args.requests / res['wall']:>7.1f} "
+                  f"{len(res['errors']):>6}")
+            for e in res["errors"][:3]:
+                print(f"     error: {e}")
+        # One request at a time: where its time goes.
+        single = asyncio.run(load(base, bodies, 1, 32, dims, args.k))
+        split = {s: statistics.median(t[s] for t in single["timings"]) for s in STAGES}
+        total = statistics.median(single["latencies"])
+        print("split of one request (median of 32, ms): " + ", ".join(
+            f"{s} {split[s]:.2f}" for s in STAGES)
+            + f", http+multipart+json {total - sum(split.values()):.2f}, total {total:.2f}")
+        if args.batch:
+            n = max(1, args.requests // args.batch)
+            res = asyncio.run(load(base, bodies, 1, n, dims, args.k, batch=args.batch))
+            total_errors += len(res["errors"])
+            print(f"batch form, {args.batch} sketches per request, concurrency 1: "
+                  f"{n * args.batch / res['wall']:.1f} sketches/s, p50 "
+                  f"{np.percentile(res['latencies'], 50):.1f} ms per request, "
+                  f"{len(res['errors'])} errors")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return 1 if total_errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

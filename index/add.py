@@ -1,0 +1,119 @@
+"""Add photos to an existing index without rebuilding it.
+
+    python -m index.add --index runs/index --photos NEW_PHOTOS [--checkpoint CKPT]
+
+Photos already in the index (same id, same file) are skipped; an id that names a different
+file is an error. The checkpoint defaults to the one recorded in the sidecar and must have
+the same hash. The index folder is replaced atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from index.gallery import embed_photos, scan_gallery
+from index.model import Embedder, load_embedder
+from index.store import Sidecar, load_index, now_utc, write_index
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AppendReport:
+    out: Path
+    sidecar: Sidecar
+    added: int
+    skipped: int
+
+
+def append_photos(
+    embedder: Embedder,
+    index_dir: str | Path,
+    photos: str | Path,
+    batch_size: int = 32,
+    progress: bool = True,
+) -> AppendReport:
+    """Embed the photos of `photos` not yet in the index and add them to it."""
+    current = load_index(index_dir, checkpoint_sha256=embedder.checkpoint_sha256, mmap=False)
+    old_root = Path(current.sidecar.photos_root)
+    root, gallery = scan_gallery(photos)
+    new = []
+    skipped = 0
+    for p in gallery:
+        row = current.rows.get(p.id)
+        if row is None:
+            # Keep paths relative to the index's root when they live under it.
+            path = (root / p.path).resolve()
+            inside = path.is_relative_to(old_root)
+            rel = path.relative_to(old_root).as_posix() if inside else str(path)
+            new.append(dataclasses.replace(p, path=rel))
+            continue
+        known = current.photo_path(current.photos[row]).resolve()
+        if known != (root / p.path).resolve():
+            raise ValueError(
+                f"photo id {p.id!r} is already in the index as {str(known)!r}; "
+                f"cannot add {str(root / p.path)!r} under the same id"
+            )
+        skipped += 1
+    if new:
+        vectors = embed_photos(embedder, old_root, new, current.dims, batch_size, progress)
+        current.index.add(vectors)
+    sidecar = dataclasses.replace(
+        current.sidecar, count=current.index.ntotal, created=now_utc()
+    )
+    out = write_index(index_dir, current.index, sidecar, [*current.photos, *new])
+    log.info("appended %d photos (%d already indexed) to %s", len(new), skipped, out)
+    return AppendReport(out, sidecar, len(new), skipped)
+
+
+def print_append(report: AppendReport) -> None:
+    s = report.sidecar
+    print(f"index: {report.out}")
+    print(f"  added {report.added} photos, skipped {report.skipped} already indexed")
+    print(f"  now {s.count} photos, kind={s.kind}, dims={s.dims} of L={s.L}")
+
+
+@dataclass(frozen=True)
+class AddConfig:
+    index: str = ""
+    photos: str = ""
+    checkpoint: str | None = None  # None: the checkpoint recorded in the sidecar
+    batch_size: int = 32
+    device: str | None = None
+    threads: int = 2
+    progress: bool = True
+
+
+def parse_args(argv: list[str] | None = None) -> AddConfig:
+    defaults = AddConfig()
+    p = argparse.ArgumentParser(prog="python -m index.add", description=__doc__.split("\n")[0])
+    p.add_argument("--index", required=True, help="existing index folder")
+    p.add_argument("--photos", required=True, help="folder of <class>/<photo> to add")
+    p.add_argument("--checkpoint", default=defaults.checkpoint,
+                   help="default: the one in the sidecar")
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--device", default=defaults.device)
+    p.add_argument("--threads", type=int, default=defaults.threads)
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    return dataclasses.replace(defaults, **vars(p.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from index.build import set_threads
+    from index.store import read_sidecar
+
+    set_threads(cfg.threads)
+    checkpoint = cfg.checkpoint or read_sidecar(cfg.index).checkpoint
+    embedder = load_embedder(checkpoint, device=cfg.device)
+    print_append(append_photos(embedder, cfg.index, cfg.photos, cfg.batch_size, cfg.progress))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""Build a retrieval index from a checkpoint and a photo folder.
+
+    python -m index.build --checkpoint runs/cdk/checkpoint.pt \
+        --photos ../shared/data/sketchy-mini --out runs/index
+
+Embeds every photo with the checkpoint's photo side, keeps the top `--dims` modes (default
+all L) and writes an exact inner-product index, or an approximate one for large galleries
+(`--kind`, or chosen by size) with its recall against exact search printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from index.gallery import embed_photos, scan_gallery
+from index.kinds import KINDS, choose_kind, recall_at_k
+from index.model import Embedder, load_embedder
+from index.store import (
+    FORMAT_VERSION,
+    METRIC,
+    Sidecar,
+    check_replaceable,
+    now_utc,
+    write_index,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    checkpoint: str = ""
+    photos: str = ""
+    out: str = ""
+    dims: int | None = None  # None: all L
+    kind: str = "auto"  # auto | flat | ivf | hnsw
+    batch_size: int = 32
+    recall_k: int = 10
+    device: str | None = None
+    threads: int = 2
+    append: bool = False
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    out: Path
+    sidecar: Sidecar
+    recall: dict[int, float]  # d -> recall@k against exact search (approximate kinds only)
+    seconds: float
+
+
+def prefix_dims(stored: int) -> list[int]:
+    """The d at which recall is reported: powers of two below `stored`, and `stored`."""
+    ds = [d for d in (1, 2, 4, 8, 16, 32, 64, 128, 256) if d < stored]
+    return [*ds[-3:], stored]
+
+
+def build_index(
+    embedder: Embedder,
+    photos: str | Path,
+    out: str | Path,
+    checkpoint: str | Path,
+    dims: int | None = None,
+    kind: str = "auto",
+    batch_size: int = 32,
+    recall_k: int = 10,
+    progress: bool = True,
+) -> BuildReport:
+    """Embed the gallery `photos` and atomically write an index folder at `out`."""
+    start = time.perf_counter()
+    dims = embedder.L if dims is None else dims
+    if not 1 <= dims <= embedder.L:
+        raise ValueError(f"--dims {dims} is outside [1, L={embedder.L}] of the checkpoint")
+    check_replaceable(Path(out).absolute())  # fail before minutes of embedding, not after
+    root, gallery = scan_gallery(photos)
+    kind = choose_kind(len(gallery), kind)
+    vectors = embed_photos(embedder, root, gallery, dims, batch_size, progress)  # (N, dims)
+    index = KINDS[kind](vectors)
+    recall = {}
+    if kind != "flat":
+        recall = {d: recall_at_k(index, vectors, k=recall_k, dims=d) for d in prefix_dims(dims)}
+    sidecar = Sidecar(
+        format=FORMAT_VERSION,
+        checkpoint_sha256=embedder.checkpoint_sha256,
+        checkpoint=str(Path(checkpoint).absolute()),
+        backbone=embedder.backbone,
+        L=int(embedder.L),
+        dims=dims,
+        metric=METRIC,
+        count=len(gallery),
+        kind=kind,
+        created=now_utc(),
+        photos_root=str(root),
+    )
+    path = write_index(out, index, sidecar, gallery)
+    return BuildReport(path, sidecar, recall, time.perf_counter() - start)
+
+
+def parse_args(argv: list[str] | None = None) -> BuildConfig:
+    defaults = BuildConfig()
+    p = argparse.ArgumentParser(prog="python -m index.build", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", required=True, help="training.cdk checkpoint.pt")
+    p.add_argument("--photos", required=True, help="folder of <class>/<photo>, or a paired folder")
+    p.add_argument("--out", required=True, help="index folder to write (replaced atomically)")
+    p.add_argument("--dims", type=int, default=defaults.dims, help="stored modes (default: L)")
+    p.add_argument("--kind", choices=["auto", *KINDS], default=defaults.kind)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--recall-k", type=int, default=defaults.recall_k)
+    p.add_argument("--device", default=defaults.device, help="torch device (default: auto)")
+    p.add_argument("--threads", type=int, default=defaults.threads, help="CPU threads")
+    p.add_argument("--append", action="store_true", help="add new photos to the index at --out")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+    ns = vars(p.parse_args(argv))
+    return dataclasses.replace(defaults, **ns)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    set_threads(cfg.threads)
+    embedder = load_embedder(cfg.checkpoint, device=cfg.device)
+    if cfg.append:
+        from index.add import append_photos, print_append
+
+        print_append(append_photos(embedder, cfg.out, cfg.photos, cfg.batch_size, cfg.progress))
+        return 0
+    report = build_index(
+        embedder, cfg.photos, cfg.out, cfg.checkpoint, cfg.dims, cfg.kind, cfg.batch_size,
+        cfg.recall_k, cfg.progress,
+    )
+    s = report.sidecar
+    print(f"index: {report.out}")
+    print(f"  {s.count} photos, kind={s.kind}, dims={s.dims} of L={s.L}, backbone={s.backbone}")
+    print(f"  checkpoint sha256 {s.checkpoint_sha256[:16]}..., built in {report.seconds:.1f}s")
+    for d, r in report.recall.items():
+        print(f"  recall@{cfg.recall_k} vs exact at d={d}: {r:.4f}")
+    print(f"serve it: python -m service --index {report.out}")
+    return 0
+
+
+def set_threads(n: int) -> None:
+    """Bound CPU threads of torch and FAISS (shared machines, many workers)."""
+    import faiss
+    import torch
+
+    torch.set_num_threads(max(1, n))
+    faiss.omp_set_num_threads(max(1, n))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

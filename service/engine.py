@@ -1,0 +1,158 @@
+"""Retrieval: sketch images -> sketch embeddings (d-prefix) -> top-k gallery photos.
+
+Plain domain code, no HTTP: the routes call it and turn its errors into status codes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from index.kinds import gpu_available, to_gpu
+from index.model import Embedder, load_embedder
+from index.store import GalleryIndex, IndexCorruptError, load_index, read_sidecar
+from service.images import decode_image
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class UnknownPhotoError(KeyError):
+    pass
+
+
+class DimsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Hit:
+    id: str
+    cls: str
+    score: float
+
+
+@dataclass
+class Timings:
+    """Seconds spent in each stage of one request (all queries of a batch together)."""
+
+    decode: float = 0.0
+    preprocess: float = 0.0
+    backbone: float = 0.0
+    head: float = 0.0
+    search: float = 0.0
+
+    STAGES = ("decode", "preprocess", "backbone", "head", "search")
+
+    def header(self) -> str:
+        """A `Server-Timing` header value (milliseconds)."""
+        return ", ".join(f"{s};dur={1000 * getattr(self, s):.2f}" for s in self.STAGES)
+
+
+class RetrievalEngine:
+    def __init__(self, embedder: Embedder, gallery: GalleryIndex, max_pixels: int,
+                 photos_root: Path | None = None, checkpoint: Path | None = None,
+                 inference_slots: int = 2):
+        if embedder.L != gallery.sidecar.L:
+            raise IndexCorruptError(
+                f"checkpoint has L={embedder.L} but the index was built with L={gallery.sidecar.L}"
+            )
+        self.embedder = embedder
+        self.gallery = gallery
+        self.max_pixels = max_pixels
+        self.photos_root = photos_root
+        self.checkpoint = checkpoint
+        self._slots = threading.BoundedSemaphore(inference_slots)
+
+    @property
+    def dims(self) -> int:
+        """Largest servable d: the stored prefix length."""
+        return self.gallery.dims
+
+    def embed_sketches(self, images: list, dims: int, timings: Timings) -> np.ndarray:
+        """Images -> (N, dims) sketch embeddings, timing each stage."""
+        with self._slots, torch.inference_mode():
+            t0 = time.perf_counter()
+            batch = self.embedder.preprocess(images, "sketch")  # (N, 3, H, W)
+            t1 = time.perf_counter()
+            feats = self.embedder.backbone_features(batch, "sketch")  # (N, D)
+            t2 = time.perf_counter()
+            emb = self.embedder.head(feats, "sketch")[:, :dims]  # (N, dims)
+            out = emb.float().cpu().numpy()
+            t3 = time.perf_counter()
+        timings.preprocess += t1 - t0
+        timings.backbone += t2 - t1
+        timings.head += t3 - t2
+        return out
+
+    def retrieve(self, uploads: list[tuple[str, bytes]], dims: int, k: int
+                 ) -> tuple[list[list[Hit]], Timings]:
+        """Top-k photos for each uploaded sketch, scored on the first `dims` modes."""
+        if not 1 <= dims <= self.dims:
+            raise DimsError(f"dims={dims} is outside [1, {self.dims}] (the index stores "
+                            f"{self.dims} of L={self.embedder.L} modes)")
+        timings = Timings()
+        t0 = time.perf_counter()
+        images = [decode_image(data, name, self.max_pixels) for name, data in uploads]
+        timings.decode = time.perf_counter() - t0
+        queries = self.embed_sketches(images, dims, timings)
+        t0 = time.perf_counter()
+        scores, rows = self.gallery.search(queries, k)  # (N, k') each
+        timings.search = time.perf_counter() - t0
+        photos = self.gallery.photos
+        hits = [
+            [Hit(photos[r].id, photos[r].cls, float(s)) for s, r in zip(srow, rrow, strict=True)
+             if r >= 0]
+            for srow, rrow in zip(scores, rows, strict=True)
+        ]
+        return hits, timings
+
+    def photo_file(self, photo_id: str) -> Path:
+        """Path of a gallery photo by id; only ids in the index table are served."""
+        row = self.gallery.rows.get(photo_id)
+        if row is None:
+            raise UnknownPhotoError(f"no photo with id {photo_id!r} in the index")
+        path = self.gallery.photo_path(self.gallery.photos[row], self.photos_root)
+        if not path.is_file():
+            raise UnknownPhotoError(f"photo {photo_id!r} is indexed but {str(path)!r} is missing")
+        return path
+
+
+def find_checkpoint(settings: Settings) -> Path:
+    """The checkpoint to serve: the setting, else the sidecar's path, else next to the index."""
+    if settings.checkpoint is not None:
+        return settings.checkpoint
+    tried = [Path(read_sidecar(settings.index).checkpoint), settings.index / "checkpoint.pt",
+             settings.index.parent / "checkpoint.pt"]
+    for path in tried:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        "no checkpoint found for index " + repr(str(settings.index)) + "; tried "
+        + ", ".join(repr(str(p)) for p in tried) + "; set SKETCHSVD_CHECKPOINT or --checkpoint"
+    )
+
+
+def load_engine(settings: Settings) -> RetrievalEngine:
+    """Load the model and the index once (at startup), checking they belong together."""
+    import faiss
+
+    torch.set_num_threads(settings.threads)
+    faiss.omp_set_num_threads(settings.threads)
+    checkpoint = find_checkpoint(settings)
+    embedder = load_embedder(checkpoint, device=settings.device)
+    gallery = load_index(settings.index, checkpoint_sha256=embedder.checkpoint_sha256, mmap=True)
+    if gpu_available() and gallery.sidecar.kind in ("flat", "ivf"):
+        gallery.index = to_gpu(gallery.index)  # HNSW has no GPU version in FAISS
+        log.info("index moved to GPU")
+    log.info("loaded %s (L=%d, %s) and index %s (%d photos, %d dims, %s)", checkpoint,
+             embedder.L, embedder.backbone, settings.index, len(gallery), gallery.dims,
+             gallery.sidecar.kind)
+    return RetrievalEngine(embedder, gallery, settings.max_pixels, settings.photos_dir,
+                           checkpoint, settings.inference_slots)

@@ -1,0 +1,112 @@
+"""POST /retrieve and POST /retrieve/batch: sketches in, ranked gallery photos out."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, File, HTTPException, Query, Response, UploadFile
+from starlette.concurrency import run_in_threadpool
+
+from service.deps import EngineDep, SettingsDep
+from service.engine import DimsError, Hit, RetrievalEngine
+from service.images import (
+    BadImageError,
+    EmptyImageError,
+    ImageTooLargeError,
+    NotAnImageError,
+    TruncatedImageError,
+    check_size,
+)
+from service.schemas import BatchOut, HitOut, QueryOut, RetrieveOut
+from service.settings import Settings
+
+router = APIRouter(tags=["retrieve"])
+
+STATUS = {
+    EmptyImageError: 400,
+    TruncatedImageError: 400,
+    NotAnImageError: 415,
+    ImageTooLargeError: 413,
+}
+
+DimsParam = Annotated[int | None, Query(description="modes used for scoring, 1..stored dims "
+                                                    "(default: all stored)")]
+KParam = Annotated[int | None, Query(description="number of photos returned, 1..max_k")]
+
+
+def http_error(err: BadImageError | DimsError) -> HTTPException:
+    if isinstance(err, DimsError):
+        return HTTPException(status_code=422, detail=str(err))
+    return HTTPException(status_code=STATUS.get(type(err), 400), detail=str(err))
+
+
+def resolve_params(engine: RetrievalEngine, settings: Settings, dims: int | None,
+                   k: int | None) -> tuple[int, int]:
+    dims = engine.dims if dims is None else dims
+    k = settings.default_k if k is None else k
+    if not 1 <= dims <= engine.dims:
+        raise HTTPException(422, f"dims={dims} is outside [1, {engine.dims}]")
+    if not 1 <= k <= settings.max_k:
+        raise HTTPException(422, f"k={k} is outside [1, {settings.max_k}]")
+    return dims, k
+
+
+async def read_upload(file: UploadFile, limit: int) -> tuple[str, bytes]:
+    name = file.filename or "file"
+    data = await file.read(limit + 1)
+    try:
+        check_size(data, limit, name)
+    except ImageTooLargeError as err:
+        raise http_error(err) from err
+    return name, data
+
+
+def hits_out(hits: list[Hit]) -> list[HitOut]:
+    return [HitOut(id=h.id, class_=h.cls, score=h.score, url=f"/photos/{h.id}") for h in hits]
+
+
+async def run_retrieval(engine: RetrievalEngine, uploads, dims: int, k: int, response: Response):
+    try:
+        hits, timings = await run_in_threadpool(engine.retrieve, uploads, dims, k)
+    except (BadImageError, DimsError) as err:
+        raise http_error(err) from err
+    response.headers["Server-Timing"] = timings.header()
+    return hits
+
+
+@router.post("/retrieve", response_model=RetrieveOut, response_model_by_alias=True)
+async def retrieve(
+    file: Annotated[UploadFile, File(description="the sketch, PNG/JPEG/WebP")],
+    engine: EngineDep,
+    settings: SettingsDep,
+    response: Response,
+    dims: DimsParam = None,
+    k: KParam = None,
+) -> RetrieveOut:
+    """Top-k gallery photos for one sketch, sorted by score (descending)."""
+    dims, k = resolve_params(engine, settings, dims, k)
+    upload = await read_upload(file, settings.max_upload_bytes)
+    hits = await run_retrieval(engine, [upload], dims, k, response)
+    return RetrieveOut(dims=dims, k=k, results=hits_out(hits[0]))
+
+
+@router.post("/retrieve/batch", response_model=BatchOut, response_model_by_alias=True)
+async def retrieve_batch(
+    files: Annotated[list[UploadFile], File(description="several sketches")],
+    engine: EngineDep,
+    settings: SettingsDep,
+    response: Response,
+    dims: DimsParam = None,
+    k: KParam = None,
+) -> BatchOut:
+    """Top-k photos for each of several sketches, embedded as one batch."""
+    dims, k = resolve_params(engine, settings, dims, k)
+    if len(files) > settings.max_batch:
+        raise HTTPException(413, f"{len(files)} files is over the batch limit of "
+                                 f"{settings.max_batch}")
+    uploads = [await read_upload(f, settings.max_upload_bytes) for f in files]
+    hits = await run_retrieval(engine, uploads, dims, k, response)
+    return BatchOut(dims=dims, k=k, queries=[
+        QueryOut(filename=name, results=hits_out(h)) for (name, _), h in zip(uploads, hits,
+                                                                              strict=True)
+    ])

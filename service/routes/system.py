@@ -1,0 +1,36 @@
+"""GET /health and GET /info."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from service.deps import EngineDep, SettingsDep
+from service.schemas import DimsRange, HealthOut, InfoOut, Limits
+
+router = APIRouter(tags=["system"])
+
+
+@router.get("/health", response_model=HealthOut)
+def health(engine: EngineDep) -> HealthOut:
+    """200 once the model and index are loaded (503 before)."""
+    return HealthOut(status="ok")
+
+
+@router.get("/info", response_model=InfoOut)
+def info(engine: EngineDep, settings: SettingsDep) -> InfoOut:
+    side = engine.gallery.sidecar
+    model = engine.checkpoint.name if engine.checkpoint is not None else side.checkpoint
+    return InfoOut(
+        model=str(model),
+        checkpoint_sha256=side.checkpoint_sha256,
+        backbone=engine.embedder.backbone,
+        L=engine.embedder.L,
+        available_dims=DimsRange(min=1, max=engine.dims),
+        gallery_size=len(engine.gallery),
+        classes=len({p.cls for p in engine.gallery.photos}),
+        index_kind=side.kind,
+        metric=side.metric,
+        limits=Limits(max_upload_bytes=settings.max_upload_bytes, max_pixels=settings.max_pixels,
+                      max_k=settings.max_k, default_k=settings.default_k,
+                      max_batch=settings.max_batch),
+    )

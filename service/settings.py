@@ -1,0 +1,36 @@
+"""All service settings in one place; environment variables `SKETCHSVD_*` override defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SKETCHSVD_", frozen=True, extra="forbid")
+
+    index: Path = Path("runs/index")
+    # Default: the path recorded in the index sidecar, else checkpoint.pt next to the index.
+    checkpoint: Path | None = None
+    # Default: the photo folder recorded in the sidecar (override it when the photos moved,
+    # e.g. into a container volume).
+    photos_dir: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    device: str | None = None
+    threads: int = Field(default=1, ge=1, description="torch/FAISS threads per inference")
+    inference_slots: int = Field(default=2, ge=1, description="concurrent model forwards")
+
+    max_upload_bytes: int = Field(default=5 * 1024 * 1024, ge=1)
+    max_pixels: int = Field(default=4096 * 4096, ge=1, description="width x height of an upload")
+    max_k: int = Field(default=100, ge=1)
+    default_k: int = Field(default=12, ge=1)
+    max_batch: int = Field(default=16, ge=1)
+    cors_origins: list[str] = []
+
+    @property
+    def max_body_bytes(self) -> int:
+        """Largest request body: a full batch of maximal files plus multipart overhead."""
+        return self.max_upload_bytes * self.max_batch + 64 * 1024

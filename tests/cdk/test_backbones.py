@@ -1,0 +1,58 @@
+import pytest
+import torch
+import torchvision
+
+from training.cdk.backbones import build_backbone, weights_fingerprint
+from training.cdk.checkpoint import init_checkpoint
+from training.cdk.embedder import Embedder
+
+
+@pytest.fixture(scope="module")
+def vgg_file(tmp_path_factory):
+    # A full torchvision VGG16 state dict would be 528 MB; its convolutional part with the
+    # same "features." keys is what the backbone reads (the classifier is ignored).
+    torch.manual_seed(0)
+    trunk = torchvision.models.vgg.make_layers(torchvision.models.vgg.cfgs["D"])
+    path = tmp_path_factory.mktemp("w") / "vgg16.pth"
+    torch.save({f"features.{k}": v for k, v in trunk.state_dict().items()}, path)
+    return path, trunk
+
+
+def test_vgg16_from_saved_state_dict(vgg_file):
+    path, trunk = vgg_file
+    bb = build_backbone("vgg16", str(path))
+    assert bb.feature_dim == 512
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        ref = trunk.eval()(x).mean(dim=(2, 3))  # conv5 output, globally pooled
+        torch.testing.assert_close(bb.module(x), ref)
+    bare = {k[len("features."):]: v for k, v in torch.load(path).items()}
+    bare_path = path.with_name("bare.pth")
+    torch.save(bare, bare_path)
+    assert weights_fingerprint(build_backbone("vgg16", str(bare_path)).module) == \
+        weights_fingerprint(bb.module)
+
+
+def test_vgg16_checkpoint_embeds_512_to_L(vgg_file, tmp_path):
+    path, _ = vgg_file
+    ck = init_checkpoint(tmp_path / "v.pt", backbone="vgg16", L=4, hidden=8,
+                         backbone_weights=str(path), image_size=32)
+    e = Embedder.from_checkpoint(ck, device="cpu")
+    from PIL import Image
+
+    z = e.embed([Image.new("RGB", (40, 40), (200, 10, 10))], "photo")
+    assert z.shape == (1, 4) and e.backbone == "vgg16"
+    assert e.backbone_features(e.preprocess([Image.new("L", (9, 9))], "sketch"),
+                               "sketch").shape == (1, 512)
+
+
+def test_bad_weights_and_names(tmp_path):
+    with pytest.raises(ValueError, match="resnet"):
+        build_backbone("resnet")
+    with pytest.raises(FileNotFoundError, match="missing.pth"):
+        build_backbone("vgg16", str(tmp_path / "missing.pth"))
+    wrong = tmp_path / "wrong.pth"
+    torch.save({"features.0.weight": torch.zeros(3)}, wrong)
+    with pytest.raises(ValueError, match="wrong.pth"):
+        build_backbone("vgg16", str(wrong))
+    assert build_backbone("efficientnet-lite0").feature_dim == 1280

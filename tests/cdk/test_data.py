@@ -1,0 +1,154 @@
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from training.cdk.backbones import build_backbone
+from training.cdk.data import DataError, PairSampler, scan
+from training.cdk.features import extract_features
+from training.cdk.splits import SKETCHY2_TEST, split_classes
+
+
+def _png(path: Path, value: int = 0, mode="RGB"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new(mode, (8, 8), value if mode == "L" else (value, value, value)).save(path)
+
+
+def make_paired(root: Path, classes=("a", "b", "c"), photos=3, sketches_per_photo=2):
+    for c in classes:
+        for i in range(photos):
+            _png(root / "photo" / c / f"{c}{i}.jpg", 10 * i)
+            for n in range(1, sketches_per_photo + 1):
+                _png(root / "sketch" / c / f"{c}{i}-{n}.png", 20 * n, mode="L")
+    return root
+
+
+def test_scan_paired_and_instance_pairs(tmp_path):
+    ds = scan(make_paired(tmp_path))
+    assert ds.classes == ("a", "b", "c")
+    assert len(ds.photos) == 9 and len(ds.sketches) == 18
+    pairs = ds.instance_pairs()
+    for s, j in zip(ds.sketches, pairs, strict=True):
+        assert ds.photos[j].stem == s.stem.rsplit("-", 1)[0]
+        assert ds.photos[j].parent.name == s.parent.name
+    sub = ds.restrict(["c", "a"])
+    assert sub.classes == ("a", "c") and set(sub.sketch_labels.tolist()) == {0, 1}
+    assert all(p.parent.name == sub.classes[lab]
+               for p, lab in zip(sub.photos, sub.photo_labels, strict=True))
+
+
+def test_official_sketchy_extended_layout(tmp_path):
+    for c in ("cat", "dog"):
+        _png(tmp_path / "sketch/tx_000000000000" / c / f"{c}1-1.png")
+        _png(tmp_path / "photo/tx_000000000000" / c / f"{c}1.jpg")
+        _png(tmp_path / "extended_photo" / c / f"ext_{c}.jpg")
+    ds = scan(tmp_path)
+    assert ds.classes == ("cat", "dog") and len(ds.photos) == 4 and len(ds.sketches) == 2
+    assert any("extended_photo" in str(p) for p in ds.photos)
+
+
+def test_bad_data_errors_name_the_file(tmp_path):
+    root = make_paired(tmp_path / "one_modality")
+    (root / "photo" / "zebra").mkdir()
+    _png(root / "photo" / "zebra" / "z.jpg")
+    with pytest.raises(DataError, match="zebra"):
+        scan(root)
+
+    root = make_paired(tmp_path / "empty")
+    (root / "sketch" / "d").mkdir()
+    _png(root / "photo" / "d" / "d0.jpg")
+    with pytest.raises(DataError, match=r"empty class.*sketch.*d"):
+        scan(root)
+
+    root = make_paired(tmp_path / "stray")
+    (root / "photo" / "a" / "notes.txt").write_text("x")
+    with pytest.raises(DataError, match="notes.txt"):
+        scan(root)
+
+    root = make_paired(tmp_path / "corrupt")
+    bad = root / "photo" / "b" / "b1.jpg"
+    bad.write_bytes(b"not a jpeg")
+    ds = scan(root)
+    bb = build_backbone("efficientnet-lite0")
+    with pytest.raises(DataError, match="b1.jpg"):
+        extract_features(ds.photos, bb, 32, None)
+
+    root = make_paired(tmp_path / "orphan")
+    _png(root / "sketch" / "a" / "nophoto-1.png")
+    with pytest.raises(DataError, match="nophoto-1.png"):
+        scan(root).instance_pairs()
+
+
+def test_feature_cache_reused_and_keyed_by_files(tmp_path):
+    ds = scan(make_paired(tmp_path / "d", classes=("a",), photos=2, sketches_per_photo=1))
+    bb = build_backbone("efficientnet-lite0")
+    cache = tmp_path / "cache"
+    a = extract_features(ds.photos, bb, 32, cache)
+    assert a.shape == (2, 1280) and len(list(cache.iterdir())) == 1
+    b = extract_features(ds.photos, bb, 32, cache)
+    torch.testing.assert_close(a, b)
+    extract_features(ds.photos[:1], bb, 32, cache)  # another file list: another entry
+    assert len(list(cache.iterdir())) == 2
+
+
+def test_class_sampler_pair_distribution():
+    # 3 classes with unequal sizes: 2/3/5 sketches, 1/2/4 photos.
+    sl = np.array([0] * 2 + [1] * 3 + [2] * 5)
+    pl = np.array([2, 0, 1, 2, 1, 2, 2])
+    s = PairSampler(sl, pl, "class")
+    counts = np.zeros((len(sl), len(pl)))
+    epochs = 3000
+    for e in range(epochs):
+        batches = list(s.epoch(seed=0, epoch=e, batch_size=5))
+        assert len(batches) == 2
+        seen = torch.cat([b[0] for b in batches])
+        assert sorted(seen.tolist()) == list(range(10))  # every sketch once per epoch
+        for si, pi in batches:
+            np.add.at(counts, (si.numpy(), pi.numpy()), 1)
+    # p(x, y) = E_c[p(x|c) p(y|c)] with p(c) = #sketches(c) / #sketches.
+    same = sl[:, None] == pl[None, :]
+    n_photo = np.bincount(pl)[sl][:, None]
+    expected = np.where(same, epochs / n_photo, 0.0)
+    assert counts[~same].sum() == 0
+    rel_err = np.abs(counts[same] - expected[same]) / expected[same]
+    assert rel_err.max() < 0.1, rel_err.max()
+
+
+def test_sampler_deterministic_and_instance_mode():
+    sl, pl = np.array([0, 0, 1, 1]), np.array([0, 1, 1])
+    a = [tuple(t.tolist() for t in b) for b in PairSampler(sl, pl).epoch(7, 3, 2)]
+    b = [tuple(t.tolist() for t in b) for b in PairSampler(sl, pl).epoch(7, 3, 2)]
+    c = [tuple(t.tolist() for t in b) for b in PairSampler(sl, pl).epoch(7, 4, 2)]
+    assert a == b and a != c
+    inst = PairSampler(sl, pl, "instance", photo_of=[0, 0, 1, 2])
+    for si, pi in inst.epoch(0, 0, 4):
+        assert pi.tolist() == [[0, 0, 1, 2][i] for i in si.tolist()]
+    with pytest.raises(DataError, match=r"\[1\]"):
+        PairSampler(np.array([0, 1]), np.array([0, 0]))
+
+
+def test_splits(tmp_path):
+    classes = [f"c{i:03d}" for i in range(125)]
+    s1 = split_classes("sketchy1", classes)
+    assert (len(s1["train"]), len(s1["valid"]), len(s1["test"])) == (100, 12, 13)
+    assert not (set(s1["train"]) & set(s1["valid"])) and not (set(s1["test"]) & set(s1["train"]))
+    state = np.random.get_state()[1].copy()
+    assert split_classes("sketchy1", classes[::-1]) == s1  # sorted first; global RNG kept
+    np.testing.assert_array_equal(np.random.get_state()[1], state)
+    with pytest.raises(ValueError, match="bat"):
+        split_classes("sketchy2", classes)
+    f = tmp_path / "test.txt"
+    f.write_text("# my split\nc001\nc002  # trailing comment\n")
+    s = split_classes(str(f), classes)
+    assert s["test"] == ["c001", "c002"] and len(s["train"]) == 123
+    with pytest.raises(ValueError, match="nosuchsplit"):
+        split_classes("nosuchsplit", classes)
+
+
+def test_sketchy2_on_sketchy_mini(sketchy_mini):
+    ds = scan(sketchy_mini)
+    assert len(ds.classes) == 125
+    s = split_classes("sketchy2", list(ds.classes))
+    assert s["test"] == sorted(SKETCHY2_TEST) and len(s["train"]) == 104

@@ -1,0 +1,74 @@
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from training.cdk.checkpoint import init_checkpoint, load_checkpoint
+from training.cdk.embedder import Embedder
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return init_checkpoint(tmp_path_factory.mktemp("ck") / "c.pt", L=8, hidden=16, image_size=64)
+
+
+def _images():
+    rng = np.random.default_rng(0)
+    rgb = Image.fromarray(rng.integers(0, 255, (80, 60, 3), dtype=np.uint8))
+    gray = Image.fromarray(rng.integers(0, 255, (50, 50), dtype=np.uint8), mode="L")
+    rgba = Image.fromarray(rng.integers(0, 255, (64, 64, 4), dtype=np.uint8), mode="RGBA")
+    return [rgb, gray, rgba]
+
+
+def test_embed_shape_dtype_and_determinism(ckpt):
+    e = Embedder.from_checkpoint(ckpt, device="cpu")
+    assert e.L == 8 and e.backbone == "efficientnet-lite0"
+    assert e.singular_values.shape == (8,) and bool(torch.isfinite(e.singular_values).all())
+    assert e.config["untrained"] is True and e.trained is False
+    import hashlib
+
+    assert e.checkpoint_sha256 == hashlib.sha256(ckpt.read_bytes()).hexdigest()
+    for modality in ("sketch", "photo"):
+        z = e.embed(_images(), modality, batch_size=2)
+        assert z.shape == (3, 8) and z.dtype == np.float32 and np.isfinite(z).all()
+        # A fresh embedder from the same file gives the same numbers.
+        z2 = Embedder.from_checkpoint(ckpt, device="cpu").embed(_images(), modality)
+        np.testing.assert_allclose(z, z2, rtol=1e-5, atol=1e-6)
+    # Pieces compose to embed(); norm cap mu holds.
+    x = e.preprocess(_images(), "photo")
+    assert x.shape == (3, 3, 64, 64)
+    feats = e.backbone_features(x, "photo")
+    assert feats.shape == (3, 1280)
+    np.testing.assert_allclose(e.head(feats, "photo").numpy(), e.embed(_images(), "photo"),
+                               rtol=1e-5, atol=1e-6)
+    assert np.linalg.norm(z, axis=1).max() <= e.config["mu"] + 1e-4
+
+
+def test_transparent_sketch_is_white(ckpt):
+    e = Embedder.from_checkpoint(ckpt, device="cpu")
+    clear = Image.new("RGBA", (32, 32), (0, 0, 0, 0))
+    white = Image.new("RGB", (32, 32), (255, 255, 255))
+    torch.testing.assert_close(e.preprocess([clear], "sketch"), e.preprocess([white], "sketch"))
+
+
+def test_frozen_backbone_stored_once_and_same_seed_same_heads(ckpt, tmp_path):
+    obj = load_checkpoint(ckpt)
+    assert obj["backbones"]["sketch"] is obj["backbones"]["photo"]
+    other = init_checkpoint(tmp_path / "d.pt", L=8, hidden=16, image_size=64)
+    o2 = load_checkpoint(other)
+    for k, v in obj["heads"]["sketch"].items():
+        torch.testing.assert_close(v, o2["heads"]["sketch"][k])
+
+
+def test_not_a_checkpoint_is_a_clear_error(tmp_path):
+    bad = tmp_path / "x.pt"
+    torch.save({"weights": torch.zeros(2)}, bad)
+    with pytest.raises(ValueError, match="not a sketchsvd CDK checkpoint"):
+        Embedder.from_checkpoint(bad)
+    junk = tmp_path / "y.pt"
+    junk.write_bytes(b"junk")
+    with pytest.raises(ValueError, match="y.pt"):
+        Embedder.from_checkpoint(junk)
+    with pytest.raises(ValueError, match="modality"):
+        Embedder.from_checkpoint(init_checkpoint(tmp_path / "z.pt", L=4, hidden=8)).embed(
+            _images(), "drawing")

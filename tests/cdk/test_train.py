@@ -1,0 +1,119 @@
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from training.cdk import train as train_mod
+from training.cdk.checkpoint import load_checkpoint
+from training.cdk.config import make_config, parse_args
+from training.cdk.train import TrainData
+
+from .ddp_worker import ddp_worker, synthetic_backbone, synthetic_data
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(L=4, hidden=16, batch_size=8, epochs=3, lr=0.05, out=str(tmp_path))
+    return make_config("cpu", **{**base, **kw})
+
+
+def _heads(path):
+    ck = load_checkpoint(path)
+    return ck["heads"], ck
+
+
+def test_ddp_two_processes_equal_one(tmp_path):
+    cfg = _cfg(tmp_path)
+    single = train_mod.train(cfg, synthetic_data(), synthetic_backbone(), tmp_path / "one")
+    mp.spawn(ddp_worker, args=(2, str(tmp_path / "init"), cfg, str(tmp_path / "ddp")),
+             nprocs=2, join=True)
+    ddp_heads, ck = _heads(tmp_path / "ddp" / "checkpoint.pt")
+    one_heads, ck1 = _heads(tmp_path / "one" / "checkpoint.pt")
+    assert ck["epoch"] == ck1["epoch"] == 3
+    for m in ("sketch", "photo"):
+        for k, v in one_heads[m].items():
+            torch.testing.assert_close(ddp_heads[m][k], v, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(single.heads[m].state_dict()[k], v)
+    # the runs moved the weights: the comparison is not between two initialisations
+    torch.manual_seed(cfg.seed)
+    init = train_mod.Head(6, 16, 4, 16.0)
+    assert not torch.allclose(init.mlp[0].weight, one_heads["sketch"]["mlp.0.weight"])
+
+
+def test_resume_after_interruption_equals_uninterrupted(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path)
+    train_mod.train(cfg, synthetic_data(), synthetic_backbone(), tmp_path / "full")
+
+    real_save, calls = train_mod.save_checkpoint, []
+
+    def crash_after_first(*a, **k):
+        real_save(*a, **k)
+        calls.append(1)
+        raise KeyboardInterrupt("simulated interruption")
+
+    monkeypatch.setattr(train_mod, "save_checkpoint", crash_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        train_mod.train(cfg, synthetic_data(), synthetic_backbone(), tmp_path / "cut")
+    assert load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["epoch"] == 1
+    monkeypatch.setattr(train_mod, "save_checkpoint", real_save)
+    res = train_mod.train(cfg, synthetic_data(), synthetic_backbone(), tmp_path / "cut")
+    full, ck = _heads(tmp_path / "full" / "checkpoint.pt")
+    cut, ck2 = _heads(tmp_path / "cut" / "checkpoint.pt")
+    for m in ("sketch", "photo"):
+        for k, v in full[m].items():
+            torch.testing.assert_close(cut[m][k], v)
+    assert ck2["train_state"] is None and len(ck2["history"]) == 3
+    torch.testing.assert_close(res.singular_values, ck["singular_values"])
+    # A different config in the same folder is refused, not silently mixed.
+    with pytest.raises(ValueError, match="lr"):
+        train_mod.train(_cfg(tmp_path, lr=0.01), synthetic_data(), synthetic_backbone(),
+                        tmp_path / "cut")
+
+
+def _discrete_cdk_problem(n=200):
+    """Sketch and photo 'features' are one-hot states; classes mix states with known
+    p(x|c), p(y|c). Returns TrainData and the exact singular values of the sampler's CDK,
+    sigma of D_x^-1/2 P D_y^-1/2 with P = sum_c p(c) p(x|c) p(y|c)^T (p(c) as sampled)."""
+    A = np.array([[.7, .1, .1, .1], [.1, .7, .1, .1], [.25, .25, .4, .1], [.25] * 4])
+    Bm = np.array([[.8, .1, .05, .05], [.1, .6, .2, .1], [.1, .2, .5, .2], [.2, .2, .3, .3]])
+
+    def draw(probs):
+        counts = np.round(probs * n).astype(int)  # (classes, states)
+        states = np.concatenate([np.repeat(np.arange(4), row) for row in counts])
+        labels = np.repeat(np.arange(4), counts.sum(1))
+        return states, labels
+
+    xs, xl = draw(A)
+    ys, yl = draw(Bm)
+    pc = np.bincount(xl) / len(xl)  # the sampler visits every sketch once per epoch
+    px_c = np.stack([np.bincount(xs[xl == c], minlength=4) / (xl == c).sum() for c in range(4)])
+    py_c = np.stack([np.bincount(ys[yl == c], minlength=4) / (yl == c).sum() for c in range(4)])
+    P = px_c.T @ np.diag(pc) @ py_c
+    K = P / np.sqrt(P.sum(1)[:, None] * P.sum(0)[None, :])
+    exact = np.linalg.svd(K, compute_uv=False)  # exact[0] = 1 is the constant mode
+    eye = torch.eye(4)
+    return TrainData(eye[xs], eye[ys], xl, yl), exact[1:]
+
+
+def test_joint_nesting_recovers_exact_cdk_spectrum(tmp_path):
+    data, exact = _discrete_cdk_problem()
+    cfg = _cfg(tmp_path, L=2, hidden=32, batch_size=200, epochs=100, grad_clip=0.0)
+    sv = train_mod.train(cfg, data, synthetic_backbone(4), tmp_path).singular_values
+    np.testing.assert_allclose(sv.numpy(), exact[:2], atol=0.01)
+    assert exact[0] - exact[1] > 0.1  # distinct modes, so the order is informative
+
+
+def test_cli_parsing_rules(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    cfg = parse_args(["--data", "d", "--preset", "paper", "--seed", "3"])
+    assert (cfg.L, cfg.hidden, cfg.batch_size, cfg.epochs, cfg.lr, cfg.mu) == \
+        (512, 8192, 4096, 10, 5e-3, 16.0)
+    assert cfg.momentum == 0.9 and cfg.grad_clip > 0 and cfg.seed == 3
+    assert parse_args(["--data", "d", "--finetune", "true"]).finetune is True
+    for bad in (["--data", "d", "--nosuchflag", "1"], ["--data", "d", "--method", "pca"],
+                ["--data", "d", "--preset", "gpu"], ["--data", "d", "--epochs", "two"],
+                ["--data", "d", "--backbone", "resnet"], ["--split", "sketchy2"],
+                ["--data", "d", "--L", "0"], ["--data", "nodir"],
+                ["--data", "d", "--split", "sketchy3"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)

@@ -1,0 +1,74 @@
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data" / "sketchy-mini"
+SMALL_CLASSES = ("airplane", "cat", "tree")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _few_threads():
+    # The test machine is shared: keep torch and FAISS to one thread each.
+    import faiss
+    import torch
+
+    torch.set_num_threads(1)
+    faiss.omp_set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def sketchy_mini() -> Path:
+    if not (DATA / "photo").is_dir():
+        pytest.skip(f"sketchy-mini data not found at {DATA}")
+    return DATA
+
+
+@pytest.fixture(scope="session")
+def small_gallery(tmp_path_factory) -> Path:
+    """3 classes x 5 photos: links into sketchy-mini when it is there, else generated images."""
+    root = tmp_path_factory.mktemp("gallery") / "photos"
+    if not (DATA / "photo").is_dir():
+        from tests.fakes import make_gallery
+
+        return make_gallery(root, classes=3, per_class=5, size=64)
+    for cls in SMALL_CLASSES:
+        (root / cls).mkdir(parents=True)
+        for f in sorted((DATA / "photo" / cls).iterdir())[:5]:
+            (root / cls / f.name).symlink_to(f)
+    return root
+
+
+@pytest.fixture(scope="session")
+def small_sketches(small_gallery) -> list[bytes]:
+    """PNG bytes of a few query sketches (real ones when sketchy-mini is there)."""
+    if (DATA / "sketch").is_dir():
+        return [sorted((DATA / "sketch" / c).iterdir())[0].read_bytes() for c in SMALL_CLASSES]
+    from tests.service.conftest import sketch_png
+
+    return [sketch_png(seed=s) for s in range(3)]
+
+
+@pytest.fixture(scope="session")
+def real_checkpoint(tmp_path_factory) -> Path:
+    """An untrained but complete training.cdk checkpoint (small head and input size)."""
+    from training.cdk.checkpoint import init_checkpoint
+
+    return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "checkpoint.pt", L=8, hidden=16,
+                           image_size=64)
+
+
+@pytest.fixture(scope="session")
+def real_embedder(real_checkpoint):
+    from training.cdk.embedder import Embedder
+
+    return Embedder.from_checkpoint(real_checkpoint, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def real_index(tmp_path_factory, real_embedder, real_checkpoint, small_gallery) -> Path:
+    from index.build import build_index
+
+    out = tmp_path_factory.mktemp("real") / "index"
+    build_index(real_embedder, small_gallery, out, real_checkpoint, progress=False)
+    return out

@@ -1,0 +1,60 @@
+"""A small deterministic stand-in for `training.cdk.embedder.Embedder` (same interface).
+
+Features are 8x8 grey thumbnails (64 numbers); the "head" is a fixed seeded projection to L
+scaled by decreasing weights, so coordinates are ordered like singular functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+class FakeEmbedder:
+    def __init__(self, L: int = 8, seed: int = 0, tag: str = "fake"):
+        self.L = L
+        self.backbone = "fake-thumbnail"
+        self.config = {"L": L, "seed": seed}
+        self.checkpoint_sha256 = hashlib.sha256(f"{tag}-{L}-{seed}".encode()).hexdigest()
+        self.device = torch.device("cpu")
+        g = torch.Generator().manual_seed(seed)
+        self.singular_values = torch.linspace(1.0, 0.1, L)
+        self._proj = {
+            m: torch.randn(64, L, generator=g) * self.singular_values for m in ("sketch", "photo")
+        }
+
+    def preprocess(self, images: list[Image.Image], modality: str) -> torch.Tensor:
+        arrays = [np.asarray(im.convert("RGB").resize((8, 8)), dtype=np.float32) / 255.0
+                  for im in images]
+        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)  # (N, 3, 8, 8)
+
+    def backbone_features(self, batch: torch.Tensor, modality: str) -> torch.Tensor:
+        return batch.mean(dim=1).flatten(1) - 0.5  # (N, 64)
+
+    def head(self, features: torch.Tensor, modality: str) -> torch.Tensor:
+        return features @ self._proj[modality]  # (N, L)
+
+    def embed(self, images: list[Image.Image], modality: str, batch_size: int = 64) -> np.ndarray:
+        if modality not in ("sketch", "photo"):
+            raise ValueError(f"modality {modality!r}")
+        out = []
+        for i in range(0, len(images), batch_size):
+            x = self.preprocess(images[i : i + batch_size], modality)
+            out.append(self.head(self.backbone_features(x, modality), modality).numpy())
+        return np.concatenate(out).astype(np.float32)
+
+
+def make_gallery(root, classes=3, per_class=5, size=32, seed=0):
+    """Write a tiny gallery ROOT/<class>/<id>.jpg of random-coloured blobs; returns ROOT."""
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        d = root / f"class{c}"
+        d.mkdir(parents=True, exist_ok=True)
+        base = rng.uniform(0, 255, size=3)
+        for i in range(per_class):
+            pixels = np.clip(base + rng.normal(0, 60, size=(size, size, 3)), 0, 255)
+            Image.fromarray(pixels.astype(np.uint8)).save(d / f"c{c}_{seed}_{i:03d}.jpg")
+    return root

@@ -1,0 +1,43 @@
+import pytest
+from PIL import Image
+
+from index.gallery import read_rgb, scan_gallery
+from tests.fakes import make_gallery
+
+
+def test_paired_folder_uses_its_photo_side(tmp_path):
+    make_gallery(tmp_path / "pair" / "photo", classes=2, per_class=2)
+    (tmp_path / "pair" / "sketch" / "class0").mkdir(parents=True)
+    root, photos = scan_gallery(tmp_path / "pair")
+    assert root == (tmp_path / "pair" / "photo").resolve()
+    assert [(p.cls, p.path) for p in photos][:2] == [
+        ("class0", "class0/c0_0_000.jpg"), ("class0", "class0/c0_0_001.jpg")]
+
+
+def test_sketchy_mini_layout(sketchy_mini):
+    root, photos = scan_gallery(sketchy_mini)
+    assert root.name == "photo" and len(photos) == 3125
+    assert len({p.cls for p in photos}) == 125
+
+
+def test_duplicate_ids_and_empty_folders_are_errors(tmp_path):
+    for c in ("a", "b"):
+        (tmp_path / "dup" / c).mkdir(parents=True)
+        Image.new("RGB", (4, 4)).save(tmp_path / "dup" / c / "same.jpg")
+    with pytest.raises(ValueError, match="'same' is used by both 'a/same.jpg' and 'b/same.jpg'"):
+        scan_gallery(tmp_path / "dup")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no class subfolders"):
+        scan_gallery(tmp_path / "empty")
+    (tmp_path / "noimg" / "c").mkdir(parents=True)
+    with pytest.raises(ValueError, match="no images"):
+        scan_gallery(tmp_path / "noimg")
+    with pytest.raises(FileNotFoundError, match="missing"):
+        scan_gallery(tmp_path / "missing")
+
+
+def test_unreadable_photo_is_named(tmp_path):
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(b"not a jpeg")
+    with pytest.raises(ValueError, match="bad.jpg"):
+        read_rgb(bad)

@@ -1,0 +1,45 @@
+import faiss
+import numpy as np
+import pytest
+
+from index.kinds import AUTO_FLAT_MAX, choose_kind, gpu_available, pad_queries, to_gpu
+
+
+def test_kind_chosen_by_size_or_name():
+    assert choose_kind(10) == "flat" and choose_kind(AUTO_FLAT_MAX) == "flat"
+    assert choose_kind(AUTO_FLAT_MAX + 1) == "ivf"
+    assert choose_kind(10, "hnsw") == "hnsw"
+    with pytest.raises(ValueError, match="unknown index kind 'annoy'"):
+        choose_kind(10, "annoy")
+
+
+def test_padding_gives_prefix_inner_products():
+    rng = np.random.default_rng(0)
+    x, q = rng.normal(size=(50, 6)).astype(np.float32), rng.normal(size=(3, 2)).astype(np.float32)
+    padded = pad_queries(q, 6)
+    assert padded.shape == (3, 6) and not padded[:, 2:].any()
+    np.testing.assert_allclose(padded @ x.T, q @ x[:, :2].T, rtol=1e-6)
+    with pytest.raises(ValueError, match="query has 7 dims; the index stores 6"):
+        pad_queries(np.zeros((1, 7), np.float32), 6)
+
+
+def test_to_gpu_without_gpu_faiss_says_so():
+    if gpu_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(RuntimeError, match="no GPU FAISS"):
+        to_gpu(faiss.IndexFlatIP(4))
+
+
+@pytest.mark.gpu
+def test_gpu_flat_search_equals_cpu():
+    if not gpu_available():
+        pytest.skip("needs faiss-gpu and a CUDA device")
+    rng = np.random.default_rng(0)
+    x, q = rng.normal(size=(500, 16)).astype(np.float32), rng.normal(size=(8, 16)).astype(
+        np.float32)
+    cpu = faiss.IndexFlatIP(16)
+    cpu.add(x)
+    ds, ids = cpu.search(q, 10)
+    dg, idg = to_gpu(cpu).search(q, 10)
+    np.testing.assert_array_equal(ids, idg)
+    np.testing.assert_allclose(ds, dg, rtol=1e-4)

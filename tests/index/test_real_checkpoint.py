@@ -1,0 +1,74 @@
+"""The index against a real training.cdk checkpoint (untrained, small) and real photos."""
+
+import io
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from index.gallery import read_rgb, scan_gallery
+from index.store import IndexMismatchError, load_index
+from tests.conftest import REPO
+
+
+def test_cli_builds_an_index_that_equals_brute_force(tmp_path, real_checkpoint, real_embedder,
+                                                     small_gallery, small_sketches):
+    out = tmp_path / "ix"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "index.build", "--checkpoint", str(real_checkpoint), "--photos",
+         str(small_gallery), "--out", str(out), "--dims", "6", "--threads", "1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert "15 photos, kind=flat, dims=6 of L=8, backbone=efficientnet-lite0" in proc.stdout
+    assert "embedding photos" in proc.stderr  # the progress bar
+
+    ix = load_index(out, checkpoint_sha256=real_embedder.checkpoint_sha256)
+    assert ix.sidecar.backbone == "efficientnet-lite0" and ix.sidecar.L == 8
+    root, photos = scan_gallery(small_gallery)
+    gallery = real_embedder.embed([read_rgb(root / p.path) for p in photos], "photo")  # (15, 8)
+    sketches = real_embedder.embed(
+        [Image.open(io.BytesIO(b)).convert("RGB") for b in small_sketches], "sketch")
+    for d in (1, 2, 4, 6):
+        brute = sketches[:, :d] @ gallery[:, :d].T
+        scores, rows = ix.search(sketches[:, :d], k=15)
+        np.testing.assert_allclose(scores, -np.sort(-brute, axis=1), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.take_along_axis(brute, rows, 1), scores, rtol=1e-4,
+                                   atol=1e-5)
+
+
+def test_other_checkpoint_is_refused(tmp_path, real_index):
+    from training.cdk.checkpoint import init_checkpoint
+    from training.cdk.embedder import Embedder
+
+    other = init_checkpoint(tmp_path / "other.pt", L=8, hidden=16, image_size=64, seed=1)
+    sha = Embedder.from_checkpoint(other, device="cpu").checkpoint_sha256
+    with pytest.raises(IndexMismatchError, match="was built from checkpoint sha256"):
+        load_index(real_index, checkpoint_sha256=sha)
+
+
+def test_index_rankings_reproduce_training_evaluation(real_embedder, real_index, small_gallery):
+    """mAP@all from FAISS results equals training.cdk.evaluate's brute-force mAP for every d."""
+    from training.cdk.evaluate import retrieval_metrics
+
+    ix = load_index(real_index, checkpoint_sha256=real_embedder.checkpoint_sha256)
+    root, photos = scan_gallery(small_gallery)
+    classes = sorted({p.cls for p in photos})
+    g_labels = np.array([classes.index(p.cls) for p in photos])
+    # Queries: the gallery photos turned grey and posterised, one per photo, labelled by class.
+    queries = [read_rgb(root / p.path).convert("L").point(lambda v: 255 * (v > 128))
+               for p in photos]
+    f = real_embedder.embed(queries, "sketch")  # (15, 8)
+    g = ix.index.reconstruct_n(0, len(ix))  # (15, 8) stored photo embeddings
+    for d in (1, 2, 4, 8):
+        scores, rows = ix.search(f[:, :d], k=len(ix))
+        rel = g_labels[rows] == g_labels[:, None]  # (15, 15) in ranked order
+        cum = np.cumsum(rel, axis=1)
+        ap = (rel * cum / np.arange(1, len(ix) + 1)).sum(1) / rel.sum(1)
+        p5 = cum[:, 4] / 5
+        ref = retrieval_metrics(f[:, :d], g[:, :d], g_labels, g_labels, k=5)
+        assert abs(ap.mean() - ref["map_all"]) < 1e-6, d
+        assert abs(p5.mean() - ref["precision_at_k"]) < 1e-6, d

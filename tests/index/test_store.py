@@ -1,0 +1,234 @@
+"""Index build/load: FAISS against brute force, atomic writes, sidecar checks, append."""
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import index.build as build_mod
+from index import add as add_mod
+from index.build import build_index
+from index.gallery import embed_photos, scan_gallery
+from index.kinds import KINDS, recall_at_k
+from index.store import (
+    META_FILE,
+    SIDECAR_FILE,
+    IndexCorruptError,
+    IndexMismatchError,
+    IndexNotFoundError,
+    Sidecar,
+    load_index,
+)
+from tests.fakes import FakeEmbedder, make_gallery
+
+
+@pytest.fixture
+def gallery(tmp_path):
+    return make_gallery(tmp_path / "photos", classes=3, per_class=5)
+
+
+@pytest.fixture
+def embedder():
+    return FakeEmbedder(L=8)
+
+
+def sketch_queries(embedder, n=6, seed=1):
+    rng = np.random.default_rng(seed)
+    images = [Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)) for _ in range(n)]
+    return embedder.embed(images, "sketch")  # (n, L)
+
+
+@pytest.mark.parametrize("stored", [8, 5])
+def test_flat_search_equals_brute_force_for_every_d(tmp_path, gallery, embedder, stored):
+    build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt", dims=stored, progress=False)
+    ix = load_index(tmp_path / "ix", checkpoint_sha256=embedder.checkpoint_sha256)
+    root, photos = scan_gallery(gallery)
+    photo_emb = embedder.embed([Image.open(root / p.path) for p in photos], "photo")  # (15, L)
+    queries = sketch_queries(embedder)
+    assert ix.dims == stored and len(ix) == 15
+    for d in sorted({1, 2, 3, stored - 1, stored}):
+        brute = queries[:, :d] @ photo_emb[:, :d].T  # (6, 15)
+        order = np.argsort(-brute, axis=1, kind="stable")[:, :7]
+        scores, rows = ix.search(queries[:, :d], k=7)
+        np.testing.assert_array_equal(rows, order)
+        np.testing.assert_allclose(scores, np.take_along_axis(brute, order, 1), rtol=1e-5,
+                                   atol=1e-6)
+        assert np.all(np.diff(scores, axis=1) <= 0)
+
+
+def test_k_larger_than_gallery_returns_whole_gallery(tmp_path, gallery, embedder):
+    build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt", progress=False)
+    scores, rows = load_index(tmp_path / "ix").search(sketch_queries(embedder, 2), k=100)
+    assert rows.shape == (2, 15) and sorted(rows[0]) == list(range(15))
+
+
+def test_query_with_more_dims_than_stored_is_refused(tmp_path, gallery, embedder):
+    build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt", dims=4, progress=False)
+    with pytest.raises(ValueError, match="query has 5 dims; the index stores 4"):
+        load_index(tmp_path / "ix").search(np.zeros((1, 5), np.float32), k=3)
+
+
+@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
+def test_approximate_kinds_recall_against_exact(kind, record_property):
+    rng = np.random.default_rng(0)
+    # Clustered data, like embeddings of photo classes.
+    centers = rng.normal(size=(20, 16)).astype(np.float32)
+    vectors = (centers[rng.integers(0, 20, 3000)] + 0.3 * rng.normal(size=(3000, 16))).astype(
+        np.float32
+    )
+    index = KINDS[kind](vectors)
+    recalls = {d: recall_at_k(index, vectors, k=10, dims=d, n_queries=300) for d in (4, 16)}
+    record_property(f"{kind}_recall_at_10", recalls)
+    print(f"{kind} recall@10 vs exact: {recalls}")
+    assert recalls[16] >= 0.9, recalls
+    # Whatever it returns, its scores are the exact inner products of the d-prefix.
+    q = vectors[:5, :4]
+    padded = np.zeros((5, 16), np.float32)
+    padded[:, :4] = q
+    scores, ids = index.search(padded, 10)
+    np.testing.assert_allclose(scores, np.einsum("qd,qkd->qk", q, vectors[ids][:, :, :4]),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_build_prints_recall_for_approximate_kind(tmp_path, gallery, embedder):
+    report = build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt", kind="hnsw",
+                         progress=False)
+    assert report.sidecar.kind == "hnsw"
+    assert set(report.recall) == {1, 2, 4, 8}
+    assert all(0.0 <= r <= 1.0 for r in report.recall.values())
+    assert report.recall[8] == 1.0  # 15 photos: the graph is complete enough to be exact
+
+
+def test_sidecar_describes_the_index(tmp_path, gallery, embedder):
+    build_index(embedder, gallery, tmp_path / "ix", tmp_path / "ckpt.pt", dims=6, progress=False)
+    raw = json.loads((tmp_path / "ix" / SIDECAR_FILE).read_text())
+    assert raw["checkpoint_sha256"] == embedder.checkpoint_sha256
+    assert (raw["L"], raw["dims"], raw["count"], raw["metric"], raw["kind"]) == (
+        8, 6, 15, "inner_product", "flat")
+    assert raw["backbone"] == "fake-thumbnail" and raw["created"]
+    rows = [json.loads(line) for line in (tmp_path / "ix" / META_FILE).read_text().splitlines()]
+    assert rows[0] == {"id": "c0_0_000", "class": "class0", "path": "class0/c0_0_000.jpg"}
+
+
+def test_failed_write_leaves_no_index_and_keeps_the_old_one(tmp_path, gallery, embedder,
+                                                            monkeypatch):
+    out = tmp_path / "ix"
+
+    def disk_full(self):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Sidecar, "to_json", disk_full)
+    with pytest.raises(OSError, match="disk full"):
+        build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == [tmp_path / "photos"]  # no temp folder left behind
+    monkeypatch.undo()
+
+    first = build_index(embedder, gallery, out, "ckpt.pt", dims=8, progress=False)
+    monkeypatch.setattr(Sidecar, "to_json", disk_full)
+    with pytest.raises(OSError):
+        build_index(embedder, gallery, out, "ckpt.pt", dims=3, progress=False)
+    monkeypatch.undo()
+    kept = load_index(out)
+    assert kept.sidecar == first.sidecar and kept.dims == 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ix", "photos"]
+
+
+def test_half_written_or_inconsistent_index_is_refused(tmp_path, gallery, embedder):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+    meta = (out / META_FILE).read_text().splitlines()
+    (out / META_FILE).write_text("\n".join(meta[:-1]) + "\n")
+    with pytest.raises(IndexCorruptError, match="15 vectors, meta.jsonl 14 rows"):
+        load_index(out)
+    (out / SIDECAR_FILE).unlink()
+    with pytest.raises(IndexCorruptError, match="not a complete index"):
+        load_index(out)
+    with pytest.raises(IndexNotFoundError, match="nowhere"):
+        load_index(tmp_path / "nowhere")
+
+
+def test_loading_with_another_checkpoint_names_both_hashes(tmp_path, gallery, embedder):
+    build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt", progress=False)
+    other = FakeEmbedder(L=8, seed=1)
+    with pytest.raises(IndexMismatchError) as err:
+        load_index(tmp_path / "ix", checkpoint_sha256=other.checkpoint_sha256)
+    msg = str(err.value)
+    assert embedder.checkpoint_sha256[:16] in msg and other.checkpoint_sha256[:16] in msg
+    assert "python -m index.build" in msg
+
+
+def test_append_adds_new_photos_and_equals_a_rebuild(tmp_path, embedder):
+    a = make_gallery(tmp_path / "a", classes=3, per_class=5, seed=0)
+    b = make_gallery(tmp_path / "b", classes=2, per_class=3, seed=1)
+    out = tmp_path / "ix"
+    build_index(embedder, a, out, "ckpt.pt", progress=False)
+    report = add_mod.append_photos(embedder, out, b, progress=False)
+    assert (report.added, report.skipped, report.sidecar.count) == (6, 0, 21)
+    again = add_mod.append_photos(embedder, out, b, progress=False)
+    assert (again.added, again.skipped, again.sidecar.count) == (0, 6, 21)
+
+    ix = load_index(out)
+    root_a, photos_a = scan_gallery(a)
+    root_b, photos_b = scan_gallery(b)
+    expected = np.concatenate([embed_photos(embedder, root_a, photos_a, 8, progress=False),
+                               embed_photos(embedder, root_b, photos_b, 8, progress=False)])
+    np.testing.assert_allclose(ix.index.reconstruct_n(0, 21), expected, rtol=1e-6)
+    assert [p.id for p in ix.photos] == [p.id for p in photos_a + photos_b]
+    assert ix.photo_path(ix.photos[-1]) == (root_b / photos_b[-1].path)
+    scores, rows = ix.search(expected[15:], k=1)
+    assert np.all(rows[:, 0] >= 15)  # appended photos are found
+
+
+def test_append_refuses_other_checkpoint_and_id_clash(tmp_path, embedder):
+    a = make_gallery(tmp_path / "a", classes=1, per_class=3, seed=0)
+    out = tmp_path / "ix"
+    build_index(embedder, a, out, "ckpt.pt", progress=False)
+    with pytest.raises(IndexMismatchError):
+        add_mod.append_photos(FakeEmbedder(L=8, seed=5), out, a, progress=False)
+    clash = tmp_path / "clash" / "other"
+    clash.mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(clash / "c0_0_000.jpg")
+    with pytest.raises(ValueError, match="'c0_0_000' is already in the index"):
+        add_mod.append_photos(embedder, out, tmp_path / "clash", progress=False)
+
+
+def test_cli_build_and_append(tmp_path, gallery, embedder, monkeypatch, capsys):
+    monkeypatch.setattr(build_mod, "load_embedder", lambda path, device=None: embedder)
+    monkeypatch.setattr(add_mod, "load_embedder", lambda path, device=None: embedder)
+    out = tmp_path / "ix"
+    assert build_mod.main(["--checkpoint", "ck.pt", "--photos", str(gallery), "--out", str(out),
+                           "--dims", "4", "--kind", "ivf", "--no-progress", "--threads", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "15 photos, kind=ivf, dims=4 of L=8" in text
+    assert "recall@10 vs exact at d=4" in text and f"python -m service --index {out}" in text
+    more = make_gallery(tmp_path / "more", classes=1, per_class=2, seed=3)
+    assert build_mod.main(["--checkpoint", "ck.pt", "--photos", str(more), "--out", str(out),
+                           "--append", "--no-progress"]) == 0
+    assert "added 2 photos" in capsys.readouterr().out
+    more2 = make_gallery(tmp_path / "more2", classes=1, per_class=1, seed=4)
+    assert add_mod.main(["--index", str(out), "--photos", str(more2), "--no-progress"]) == 0
+    assert load_index(out).sidecar.count == 18
+    with pytest.raises(SystemExit):
+        build_mod.main(["--checkpoint", "x", "--photos", "y", "--out", "z", "--bogus", "1"])
+
+
+def test_build_rejects_dims_beyond_L(tmp_path, gallery, embedder):
+    with pytest.raises(ValueError, match="--dims 9 is outside"):
+        build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt", dims=9, progress=False)
+
+
+def test_refuses_to_replace_a_folder_that_is_not_an_index(tmp_path, gallery, embedder):
+    precious = tmp_path / "home"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    with pytest.raises(FileExistsError, match=r"not an index folder \(it holds \['thesis"):
+        build_index(embedder, gallery, precious, "ckpt.pt", progress=False)
+    assert (precious / "thesis.tex").read_text() == "years of work"
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(FileExistsError, match="is not a folder"):
+        build_index(embedder, gallery, tmp_path / "afile", "ckpt.pt", progress=False)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert build_index(embedder, gallery, empty, "ckpt.pt", progress=False).sidecar.count == 15

@@ -1,0 +1,110 @@
+"""The drawing page in headless Chromium: draw with mouse and touch, move the slider, upload."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+sync_api = pytest.importorskip("playwright.sync_api",
+                               reason="playwright is not installed (pip install playwright)")
+if not CHROMIUM.is_file() and not shutil.which("chromium"):
+    pytest.skip(f"no Chromium at {CHROMIUM}", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def page(live_server):
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=ARGS)
+        context = browser.new_context(has_touch=True, viewport={"width": 1000, "height": 800})
+        pg = context.new_page()
+        pg.goto(live_server + "/")
+        pg.wait_for_selector("body[data-ready='1']", timeout=20_000)
+        yield pg
+        browser.close()
+
+
+def drawn_pixels(page) -> int:
+    """Number of dark pixels on the canvas."""
+    return page.evaluate("""() => {
+        const c = document.getElementById('canvas');
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let n = 0;
+        for (let i = 0; i < d.length; i += 4) if (d[i] < 128) n++;
+        return n;
+    }""")
+
+
+def shown_images(page) -> list[dict]:
+    page.wait_for_function("""() => {
+        const imgs = [...document.querySelectorAll('#results .hit img')];
+        return imgs.length > 0 && imgs.every(i => i.complete && i.naturalWidth > 0);
+    }""", timeout=20_000)
+    return page.eval_on_selector_all(
+        "#results .hit", "els => els.map(e => ({src: e.querySelector('img').src, "
+        "w: e.querySelector('img').naturalWidth, caption: e.textContent}))")
+
+
+def test_mouse_strokes_return_photos(page):
+    assert page.input_value("#dims") == "8"  # slider max set from /info
+    box = page.locator("#canvas").bounding_box()
+    with page.expect_response(lambda r: "/retrieve?dims=8" in r.url) as resp:
+        page.mouse.move(box["x"] + 40, box["y"] + 40)
+        page.mouse.down()
+        for i in range(1, 20):
+            page.mouse.move(box["x"] + 40 + 8 * i, box["y"] + 40 + 5 * i)
+        page.mouse.up()
+    assert resp.value.status == 200
+    assert drawn_pixels(page) > 100
+    hits = shown_images(page)
+    assert len(hits) == 6 and all(h["w"] > 0 for h in hits)
+    assert all("/photos/" in h["src"] for h in hits)
+    assert page.text_content("#status").startswith("6 photos, d = 8")
+
+
+def test_touch_stroke_and_dims_slider(page):
+    page.click("#clear")
+    assert drawn_pixels(page) == 0
+    box = page.locator("#canvas").bounding_box()
+    cdp = page.context.new_cdp_session(page)
+    x0, y0 = box["x"] + 30, box["y"] + 200
+
+    def touch(kind, x, y):
+        points = [] if kind == "touchEnd" else [{"x": x, "y": y, "id": 1}]
+        cdp.send("Input.dispatchTouchEvent", {"type": kind, "touchPoints": points})
+
+    with page.expect_response(lambda r: "/retrieve?" in r.url) as resp:
+        touch("touchStart", x0, y0)
+        for i in range(1, 15):
+            touch("touchMove", x0 + 12 * i, y0 - 9 * i)
+        touch("touchEnd", 0, 0)
+    assert resp.value.status == 200
+    assert drawn_pixels(page) > 100
+    assert len(shown_images(page)) == 6
+
+    with page.expect_response(lambda r: "/retrieve?dims=3&k=6" in r.url) as resp:
+        page.locator("#dims").fill("3")
+    assert resp.value.json()["dims"] == 3
+    page.wait_for_function("document.getElementById('status').textContent.includes('d = 3')")
+
+
+def test_upload_button(page, tmp_path, small_sketches):
+    sketch = tmp_path / "upload.png"
+    sketch.write_bytes(small_sketches[2])
+    with page.expect_response(lambda r: "/retrieve?" in r.url) as resp:
+        page.set_input_files("#upload", str(sketch))
+    assert resp.value.status == 200
+    assert len(shown_images(page)) == 6
+
+
+def test_error_is_shown_for_a_bad_upload(page, tmp_path):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image")
+    with page.expect_response(lambda r: "/retrieve?" in r.url) as resp:
+        page.set_input_files("#upload", str(bad))
+    assert resp.value.status == 415
+    page.wait_for_function("document.getElementById('status').className === 'error'")
+    assert "is not a PNG/JPEG/WEBP image" in page.text_content("#status")

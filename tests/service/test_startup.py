@@ -1,0 +1,47 @@
+"""Startup: which checkpoint is served, and refusing a checkpoint that does not match."""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+from fastapi.testclient import TestClient
+
+from index.store import SIDECAR_FILE, IndexMismatchError, read_sidecar
+from service.engine import find_checkpoint
+from service.main import create_app
+from service.settings import Settings
+
+
+def test_checkpoint_from_setting_then_sidecar_then_next_to_index(tmp_path, real_index,
+                                                                 real_checkpoint):
+    assert find_checkpoint(Settings(index=real_index, checkpoint=tmp_path / "x.pt")) == (
+        tmp_path / "x.pt")
+    assert find_checkpoint(Settings(index=real_index)) == real_checkpoint
+    moved = tmp_path / "run" / "index"
+    shutil.copytree(real_index, moved)
+    side = dataclasses.asdict(read_sidecar(moved))
+    (moved / SIDECAR_FILE).write_text(json.dumps({**side, "checkpoint": "/gone/checkpoint.pt"}))
+    with pytest.raises(FileNotFoundError, match="tried '/gone/checkpoint.pt'"):
+        find_checkpoint(Settings(index=moved))
+    shutil.copy(real_checkpoint, moved.parent / "checkpoint.pt")
+    assert find_checkpoint(Settings(index=moved)) == moved.parent / "checkpoint.pt"
+
+
+def test_startup_refuses_another_checkpoint(tmp_path, real_index, caplog):
+    from training.cdk.checkpoint import init_checkpoint
+
+    other = init_checkpoint(tmp_path / "other.pt", L=8, hidden=16, image_size=64, seed=2)
+    app = create_app(Settings(index=real_index, checkpoint=other))
+    with pytest.raises(IndexMismatchError, match="was built from checkpoint sha256"):
+        with TestClient(app):
+            pass
+    assert any("cannot start" in r.getMessage() for r in caplog.records)
+
+
+def test_startup_loads_the_real_engine(real_index, small_sketches):
+    with TestClient(create_app(Settings(index=real_index))) as client:
+        r = client.post("/retrieve", params={"dims": 8, "k": 15},
+                        files={"file": ("q.png", small_sketches[0], "image/png")})
+        assert r.status_code == 200 and len(r.json()["results"]) == 15
+        assert client.get("/info").json()["model"] == "checkpoint.pt"

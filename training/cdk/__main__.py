@@ -1,0 +1,29 @@
+"""python -m training.cdk --data DIR [--split ...] [--backbone ...] [--method ...]
+[--preset paper|cpu] [--seed S] [--out DIR] (every Config field is a flag)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from .config import parse_args
+from .run import run
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    cfg = parse_args(argv)
+    m = run(cfg)
+    if m:
+        dims = " ".join(f"{d}:{v:.3f}" for d, v in m["map_by_dims"].items())
+        print(f"{cfg.method} on {cfg.split}: mAP@all {m['map_all']:.4f}  "
+              f"P@{m['k']} {m['precision_at_k']:.4f}  (raw {cfg.backbone} cosine: mAP@all "
+              f"{m['raw_backbone_cosine']['map_all']:.4f}, P@{m['k']} "
+              f"{m['raw_backbone_cosine']['precision_at_k']:.4f})")
+        print(f"mAP by d most significant modes: {dims}")
+        print(f"wrote {cfg.out}/checkpoint.pt and {cfg.out}/metrics.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

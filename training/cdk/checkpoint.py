@@ -1,0 +1,173 @@
+"""CDK checkpoints: one self-describing file with everything needed to embed later.
+
+Layout (a dict saved with torch.save)::
+
+    format: "sketchsvd-cdk", version: 1
+    config: Config as a dict (how it was built; loaders need no flags)
+    backbone: {name, feature_dim, image_size, mean, std, finetuned}
+    backbones: {"sketch": state_dict, "photo": state_dict}   (shared storage if frozen)
+    heads: {"sketch": state_dict, "photo": state_dict}, head_arch: {in_dim, hidden, L, mu}
+    singular_values: (L,) float32; trained: bool; epoch: int
+    train_state: optimizer/scheduler state for resuming (None when finished or untrained)
+    history: per-epoch log
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .backbones import Backbone, build_backbone
+from .config import make_config, to_dict
+from .model import MODALITIES, Head
+
+__all__ = ["FORMAT", "VERSION", "save_checkpoint", "load_checkpoint", "init_checkpoint"]
+
+FORMAT = "sketchsvd-cdk"
+VERSION = 1
+
+
+def atomic_save(obj, path: str | Path) -> Path:
+    """torch.save to a temp file in the target folder, then rename over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def atomic_write_text(text: str, path: str | Path) -> Path:
+    """Write ``text`` to a temp file in the target folder, then rename over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def save_checkpoint(
+    path: str | Path,
+    *,
+    config: dict,
+    backbone: Backbone,
+    image_size: int,
+    backbones: dict[str, nn.Module],
+    heads: dict[str, Head],
+    singular_values: torch.Tensor,
+    trained: bool,
+    epoch: int,
+    finetuned: bool = False,
+    train_state: dict | None = None,
+    history: list | None = None,
+) -> Path:
+    """Write a CDK checkpoint atomically. backbones / heads: one module per modality
+    ("sketch", "photo"); the same module object for both is stored once."""
+    for name, d in (("backbones", backbones), ("heads", heads)):
+        if set(d) != set(MODALITIES):
+            raise ValueError(f"{name} must have keys {MODALITIES}, got {sorted(d)}")
+    sv = torch.as_tensor(singular_values, dtype=torch.float32).detach().cpu()
+    L = heads["sketch"].L
+    if sv.shape != (L,) or not bool(torch.isfinite(sv).all()):
+        raise ValueError(f"singular_values must be finite of shape ({L},), got {sv}")
+
+    def cpu_state(m: nn.Module) -> dict:
+        return {k: v.detach().cpu() for k, v in m.state_dict().items()}
+
+    bb_state = {mod: cpu_state(backbones[mod]) for mod in MODALITIES}
+    if backbones["sketch"] is backbones["photo"]:
+        bb_state["photo"] = bb_state["sketch"]  # same tensors: torch.save writes them once
+    obj = {
+        "format": FORMAT,
+        "version": VERSION,
+        "config": dict(config),
+        "backbone": {
+            "name": backbone.name,
+            "feature_dim": backbone.feature_dim,
+            "image_size": int(image_size),
+            "mean": list(backbone.mean),
+            "std": list(backbone.std),
+            "finetuned": bool(finetuned),
+        },
+        "backbones": bb_state,
+        "heads": {mod: cpu_state(heads[mod]) for mod in MODALITIES},
+        "head_arch": heads["sketch"].arch(),
+        "singular_values": sv,
+        "trained": bool(trained),
+        "epoch": int(epoch),
+        "train_state": train_state,
+        "history": list(history or []),
+    }
+    return atomic_save(obj, path)
+
+
+def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
+    """Load and validate a CDK checkpoint dict; ValueError names a file that is not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the file named
+        raise ValueError(f"{str(path)!r} is not a sketchsvd CDK checkpoint: {e}") from e
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise ValueError(f"{str(path)!r} is not a sketchsvd CDK checkpoint (no format tag)")
+    if obj.get("version") != VERSION:
+        raise ValueError(f"{str(path)!r} has checkpoint version {obj.get('version')!r}, "
+                         f"this code reads version {VERSION}")
+    return obj
+
+
+def init_checkpoint(
+    path: str | Path,
+    backbone: str = "efficientnet-lite0",
+    L: int = 16,
+    hidden: int = 64,
+    seed: int = 0,
+    backbone_weights: str | None = None,
+    image_size: int = 224,
+) -> Path:
+    """Write a complete but untrained checkpoint in seconds: real pretrained backbone
+    weights, randomly initialised heads (seeded), singular values set to ones, and
+    ``trained: False`` (also ``config["untrained"] = True``). For tests of loaders."""
+    cfg = make_config(
+        "cpu", backbone=backbone, L=L, hidden=hidden, seed=seed,
+        backbone_weights=backbone_weights or "", image_size=image_size,
+    )
+    bb = build_backbone(backbone, backbone_weights)
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        heads = {m: Head(bb.feature_dim, hidden, L, cfg.mu) for m in MODALITIES}
+    finally:
+        torch.random.set_rng_state(gen_state)
+    return save_checkpoint(
+        path,
+        config={**to_dict(cfg), "untrained": True},
+        backbone=bb,
+        image_size=image_size,
+        backbones={"sketch": bb.module, "photo": bb.module},
+        heads=heads,
+        singular_values=torch.ones(L),
+        trained=False,
+        epoch=0,
+    )

@@ -1,0 +1,151 @@
+"""Defaults of ``python -m training.cdk``: one frozen dataclass, two presets, and a CLI
+parser whose flags are exactly the dataclass fields (unknown flags or values are errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+__all__ = ["Config", "PRESETS", "METHODS", "NESTING_OF", "make_config", "parse_args"]
+
+# CLI method name -> nesting of training.loss.nesting_masks
+NESTING_OF = {"neuralsvd-jnt": "joint", "neuralsvd-seq": "sequential", "lora": "none"}
+METHODS = tuple(NESTING_OF)
+PAIRINGS = ("class", "instance")
+
+
+@dataclass(frozen=True)
+class Config:
+    # data
+    data: str = ""  # ROOT with {sketch,photo}/<class>/<file> or the Sketchy Extended layout
+    split: str = "sketchy2"  # sketchy2 | sketchy1 | FILE listing test classes
+    pairing: str = "class"  # class: p(x,y)=E_c[p(x|c)p(y|c)]; instance: sketch + its photo
+    # backbones
+    backbone: str = "efficientnet-lite0"
+    backbone_weights: str = ""  # local state-dict file; empty: packaged/torchvision weights
+    image_size: int = 224
+    finetune: bool = False  # train the backbones end to end (else cached frozen features)
+    backbone_lr: float = 1e-4  # SGD lr of the backbones when finetuning
+    cache_dir: str = ".cache/cdk-features"
+    # model
+    method: str = "neuralsvd-jnt"
+    L: int = 512
+    hidden: int = 8192
+    mu: float = 16.0
+    # optimisation
+    epochs: int = 10
+    batch_size: int = 4096
+    lr: float = 5e-3
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm; 0 disables
+    seed: int = 0
+    # evaluation and output
+    k: int = 10  # P@k (the paper's K=100 needs >100 photos per class, as on full Sketchy)
+    gallery_queries: int = 6
+    gallery_topk: int = 8
+    out: str = "runs/cdk"
+    threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    preset: str = "cpu"
+
+
+PRESETS: dict[str, dict] = {
+    # Section 4.2 / appendix: MLP 8192 -> 512, mu 16, SGD 5e-3 m 0.9 cosine, batch 4096,
+    # 10 epochs, clipped gradients; full-size images, k=100 as on full Sketchy.
+    "paper": {},
+    # Minutes on 2 CPU cores: a smaller head, more (smaller) steps, larger lr to match.
+    "cpu": {
+        "L": 256,
+        "hidden": 1024,
+        "batch_size": 512,
+        "epochs": 60,
+        "lr": 0.05,
+        "k": 10,
+    },
+}
+
+
+def _check(cfg: Config) -> Config:
+    if cfg.preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {cfg.preset!r}")
+    if cfg.method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {cfg.method!r}")
+    if cfg.pairing not in PAIRINGS:
+        raise ValueError(f"pairing must be one of {PAIRINGS}, got {cfg.pairing!r}")
+    from .backbones import BACKBONES  # local: keep config import light
+
+    if cfg.backbone not in BACKBONES:
+        raise ValueError(f"backbone must be one of {sorted(BACKBONES)}, got {cfg.backbone!r}")
+    for name in ("L", "hidden", "epochs", "batch_size", "image_size", "k"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)!r}")
+    if cfg.batch_size < 2:
+        raise ValueError(f"batch_size must be >= 2 (the CDK estimator), got {cfg.batch_size}")
+    for name in ("lr", "mu"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{name} must be positive, got {getattr(cfg, name)!r}")
+    return cfg
+
+
+def make_config(preset: str = "cpu", **overrides) -> Config:
+    """Preset values, then ``overrides`` (which must name existing fields)."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    names = {f.name for f in fields(Config)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"unknown config field(s) {unknown}")
+    return _check(Config(**{**PRESETS[preset], **overrides, "preset": preset}))
+
+
+def _parse_bool(s: str) -> bool:
+    v = s.lower()
+    if v in ("1", "true", "yes"):
+        return True
+    if v in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """``--FIELD VALUE`` for every Config field; ``--data`` is required."""
+    p = argparse.ArgumentParser(
+        prog="python -m training.cdk",
+        description="Structured sketch/photo embeddings by NestedLoRA on the CDK.",
+    )
+    types = {"int": int, "float": float, "str": str, "bool": _parse_bool}
+    choices = {"preset": sorted(PRESETS), "method": list(METHODS), "pairing": list(PAIRINGS)}
+    for f in fields(Config):
+        p.add_argument(
+            f"--{f.name}",
+            type=types[f.type if isinstance(f.type, str) else f.type.__name__],
+            choices=choices.get(f.name),
+            required=f.name == "data",
+            default=argparse.SUPPRESS,
+            help=f"(default {f.default!r}, before the preset)",
+        )
+    args = vars(p.parse_args(argv))
+    if not Path(args["data"]).is_dir():
+        p.error(f"--data {args['data']!r} is not a folder")
+    split = args.get("split", Config.split)
+    if split not in ("sketchy1", "sketchy2") and not Path(split).is_file():
+        p.error(f"--split must be sketchy2, sketchy1 or an existing FILE, got {split!r}")
+    preset = args.pop("preset", Config.preset)
+    try:
+        return make_config(preset, **args)
+    except ValueError as e:
+        p.error(str(e))
+        raise  # unreachable: p.error exits
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(d: dict) -> Config:
+    """Rebuild a Config stored in a checkpoint (fields added later get their defaults)."""
+    names = {f.name for f in fields(Config)}
+    return Config(**{k: v for k, v in d.items() if k in names})

@@ -1,0 +1,115 @@
+"""Embed sketches and photos with a trained CDK checkpoint.
+
+Retrieval score convention (used by training.cdk.evaluate, the index and the service):
+score(x, y; d) = <f_{1:d}(x), g_{1:d}(y)>, the plain inner product of the d-prefixes of the
+sketch embedding f and the photo embedding g (no normalisation). A query zero-padded past d
+in a flat inner-product index therefore gives exactly the d-prefix search.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .backbones import Backbone, bare_backbone
+from .checkpoint import load_checkpoint
+from .images import images_to_tensor
+from .model import MODALITIES, Head
+
+__all__ = ["Embedder"]
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_modality(modality: str) -> None:
+    if modality not in MODALITIES:
+        raise ValueError(f"modality must be one of {MODALITIES}, got {modality!r}")
+
+
+class Embedder:
+    """Sketch/photo embedder rebuilt from a checkpoint alone.
+
+    Attributes: L, backbone (name), singular_values (L,), config (dict), checkpoint_sha256,
+    device, image_size, trained.
+    """
+
+    def __init__(self, ckpt: dict, sha256: str, device=None):
+        self.device = torch.device(
+            device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        meta = ckpt["backbone"]
+        self.backbone: str = meta["name"]
+        self.image_size: int = int(meta["image_size"])
+        self._mean, self._std = tuple(meta["mean"]), tuple(meta["std"])
+        self.config: dict = dict(ckpt["config"])
+        self.checkpoint_sha256: str = sha256
+        self.trained: bool = bool(ckpt["trained"])
+        self.singular_values: torch.Tensor = ckpt["singular_values"].float().cpu()
+        arch = ckpt["head_arch"]
+        self.L: int = int(arch["L"])
+
+        self._backbones: dict[str, Backbone] = {}
+        shared = ckpt["backbones"]["sketch"] is ckpt["backbones"]["photo"]
+        for mod in MODALITIES:
+            if shared and mod == "photo":
+                self._backbones[mod] = self._backbones["sketch"]
+                continue
+            bb = bare_backbone(self.backbone)
+            bb.module.load_state_dict(ckpt["backbones"][mod], strict=True)
+            self._backbones[mod] = bb
+        self._heads: dict[str, Head] = {}
+        for mod in MODALITIES:
+            head = Head(int(arch["in_dim"]), int(arch["hidden"]), self.L, float(arch["mu"]))
+            head.load_state_dict(ckpt["heads"][mod], strict=True)
+            self._heads[mod] = head.to(self.device).eval()
+        for bb in {id(b): b for b in self._backbones.values()}.values():
+            bb.module.to(self.device).eval()
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, device=None) -> Embedder:
+        """Rebuild backbones and heads from ``path``; ValueError if it is not a CDK checkpoint."""
+        path = Path(path)
+        ckpt = load_checkpoint(path)
+        return cls(ckpt, _sha256_file(path), device)
+
+    def preprocess(self, images: list[Image.Image], modality: str) -> torch.Tensor:
+        """PIL images (any mode; transparent sketch pixels -> white) -> (N, 3, H, W) on device."""
+        _check_modality(modality)
+        x = images_to_tensor(images, self.image_size, self._mean, self._std)
+        return x.to(self.device)
+
+    @torch.no_grad()
+    def backbone_features(self, batch: torch.Tensor, modality: str) -> torch.Tensor:
+        """(N, 3, H, W) normalised images -> (N, D) pooled backbone features (float32)."""
+        _check_modality(modality)
+        module = self._backbones[modality].module
+        with torch.autocast(self.device.type, enabled=self.device.type == "cuda"):
+            return module(batch.to(self.device)).float()
+
+    @torch.no_grad()
+    def head(self, features: torch.Tensor, modality: str) -> torch.Tensor:
+        """(N, D) backbone features -> (N, L) embedding: f for sketches, g for photos."""
+        _check_modality(modality)
+        return self._heads[modality](features.to(self.device).float())
+
+    def embed(self, images: list[Image.Image], modality: str, batch_size: int = 64) -> np.ndarray:
+        """Images -> float32 array (N, L); coordinate i is the i-th learned singular function."""
+        _check_modality(modality)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        out = [np.zeros((0, self.L), dtype=np.float32)]
+        for i in range(0, len(images), batch_size):
+            x = self.preprocess(images[i : i + batch_size], modality)
+            z = self.head(self.backbone_features(x, modality), modality)
+            out.append(z.cpu().numpy().astype(np.float32))
+        return np.concatenate(out, axis=0)

@@ -1,0 +1,163 @@
+"""Retrieval evaluation: P@K and mAP@all (paper appendix definitions), the structure
+curves (d most / least significant modes), spectrum, orthogonality, and PNG plots.
+
+Scores follow the Embedder convention: score(x, y; d) = <f_{1:d}(x), g_{1:d}(y)>.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["retrieval_metrics", "structure_curves", "orthogonality", "power_of_two_dims",
+           "plot_structure", "plot_spectrum", "plot_gallery", "cosine_scores_metrics"]
+
+log = logging.getLogger(__name__)
+
+
+def _ap_and_pk(scores: torch.Tensor, rel: torch.Tensor, k: int):
+    """scores, rel: (Q, N). AP = sum_n P(n) (R(n) - R(n-1)) = mean of P(n) at the ranks n of
+    the relevant items; ties broken by gallery index (stable sort). Returns (Q,), (Q,)."""
+    order = torch.sort(-scores, dim=1, stable=True).indices
+    hits = torch.gather(rel, 1, order).double()  # (Q, N) relevance in ranked order
+    cum = hits.cumsum(1)
+    ranks = torch.arange(1, scores.shape[1] + 1, dtype=torch.float64)
+    n_rel = hits.sum(1)
+    ap = (hits * cum / ranks).sum(1) / n_rel.clamp_min(1)
+    pk = cum[:, min(k, scores.shape[1]) - 1] / k
+    return ap, pk
+
+
+def retrieval_metrics(f, g, q_labels, g_labels, k: int, chunk: int = 512) -> dict:
+    """mAP@all and P@k of queries f: (Q, d) against gallery g: (N, d) by inner product.
+    A query with no relevant photo in the gallery is an error (its AP is undefined)."""
+    f, g = torch.as_tensor(f).double(), torch.as_tensor(g).double()
+    ql, gl = torch.as_tensor(np.asarray(q_labels)), torch.as_tensor(np.asarray(g_labels))
+    missing = sorted(set(ql.tolist()) - set(gl.tolist()))
+    if missing:
+        raise ValueError(f"query labels {missing[:5]} have no photo in the gallery")
+    aps, pks = [], []
+    for i in range(0, len(f), chunk):
+        ap, pk = _ap_and_pk(f[i : i + chunk] @ g.T, ql[i : i + chunk, None] == gl[None], k)
+        aps.append(ap)
+        pks.append(pk)
+    return {"map_all": float(torch.cat(aps).mean()), "precision_at_k": float(torch.cat(pks).mean()),
+            "k": int(k)}
+
+
+def cosine_scores_metrics(x, y, q_labels, g_labels, k: int) -> dict:
+    """Baseline on raw features: cosine similarity (rows L2-normalised, then inner product)."""
+    x = torch.nn.functional.normalize(torch.as_tensor(x).double(), dim=1)
+    y = torch.nn.functional.normalize(torch.as_tensor(y).double(), dim=1)
+    return retrieval_metrics(x, y, q_labels, g_labels, k)
+
+
+def power_of_two_dims(L: int) -> list[int]:
+    """1, 2, 4, ..., up to L, and L itself."""
+    dims = [1 << i for i in range(L.bit_length()) if (1 << i) <= L]
+    return dims if dims[-1] == L else dims + [L]
+
+
+def structure_curves(f, g, q_labels, g_labels, k: int) -> dict:
+    """{"most": {d: metrics}, "least": {d: metrics}} with the d most significant modes
+    (first d coordinates) and the d least significant ones (last d coordinates)."""
+    L = f.shape[1]
+    most, least = {}, {}
+    for d in power_of_two_dims(L):
+        most[d] = retrieval_metrics(f[:, :d], g[:, :d], q_labels, g_labels, k)
+        least[d] = retrieval_metrics(f[:, L - d :], g[:, L - d :], q_labels, g_labels, k)
+    return {"most": most, "least": least}
+
+
+def orthogonality(z: torch.Tensor) -> dict:
+    """How orthogonal the learned functions are on samples z: (N, L): the normalised Gram
+    C_ij = E[z_i z_j] / sqrt(E z_i^2 E z_j^2); reports max and RMS of |C_ij|, i != j, and
+    the largest |E z_l| / sqrt(E z_l^2) (orthogonality to the constant mode)."""
+    z = torch.as_tensor(z).double()
+    gram = z.T @ z / len(z)
+    d = gram.diag().clamp_min(1e-30).sqrt()
+    c = gram / d[:, None] / d[None, :]
+    off = c[~torch.eye(len(c), dtype=torch.bool)]
+    mean_ratio = (z.mean(0).abs() / d).max()
+    return {"max_abs_offdiag": float(off.abs().max()) if off.numel() else 0.0,
+            "rms_offdiag": float(off.pow(2).mean().sqrt()) if off.numel() else 0.0,
+            "max_abs_mean_ratio": float(mean_ratio)}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_structure(curves: dict[str, dict], path: str | Path, metric: str = "map_all") -> Path:
+    """curves: label -> {d: metrics}; one line per label, log2 d on the x axis."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    styles = ["-o", "--s", ":^", "-.v", "-x"]
+    for (label, c), st in zip(curves.items(), styles * 4, strict=False):
+        ds = sorted(c)
+        ax.plot(ds, [c[d][metric] for d in ds], st, label=label, ms=4)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("number of modes d")
+    ax.set_ylabel({"map_all": "mAP@all", "precision_at_k": "P@K"}.get(metric, metric))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_spectrum(sv, path: str | Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    sv = np.asarray(sv)
+    ax.plot(np.arange(1, len(sv) + 1), sv, ".-", ms=3)
+    ax.set_xlabel("mode l")
+    ax.set_ylabel("estimated singular value")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_gallery(f, g, q_labels, g_labels, q_files, g_files, path, n_queries=6, topk=8,
+                 seed=0) -> Path:
+    """Grid image: each row a query sketch and its top-k photos by full inner product,
+    framed green if relevant (same class) and red otherwise."""
+    from .images import load_image
+
+    plt = _plt()
+    rng = np.random.default_rng(seed)
+    q_labels, g_labels = np.asarray(q_labels), np.asarray(g_labels)
+    qs = rng.choice(len(f), size=min(n_queries, len(f)), replace=False)
+    scores = torch.as_tensor(f[qs]).double() @ torch.as_tensor(g).double().T
+    top = torch.sort(-scores, dim=1, stable=True).indices[:, :topk].numpy()
+    fig, axes = plt.subplots(len(qs), topk + 1, figsize=(1.3 * (topk + 1), 1.4 * len(qs)),
+                             squeeze=False)
+    for r, q in enumerate(qs):
+        axes[r, 0].imshow(load_image(q_files[q]).resize((96, 96)))
+        axes[r, 0].set_title("query", fontsize=7)
+        for c, j in enumerate(top[r], start=1):
+            ax = axes[r, c]
+            ax.imshow(load_image(g_files[j]).resize((96, 96)))
+            ok = g_labels[j] == q_labels[q]
+            for s in ax.spines.values():
+                s.set_edgecolor("limegreen" if ok else "red")
+                s.set_linewidth(3)
+    for ax in axes.flat:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)

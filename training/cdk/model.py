@@ -1,0 +1,47 @@
+"""The two embedding heads f (sketch) and g (photo): backbone features (N, D) -> (N, L).
+
+Each head standardises its input with fixed statistics of the training features (stored
+as buffers so a checkpoint carries them), applies an MLP with one hidden layer, and caps
+the output norm at mu: the paper's regulariser ||f(x)||_2 <= mu that keeps the unbounded
+LoRA objective's iterates bounded.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["Head", "MODALITIES"]
+
+MODALITIES = ("sketch", "photo")
+
+
+class Head(nn.Module):
+    """(N, in_dim) features -> (N, L) singular-function values with row norm <= mu."""
+
+    def __init__(self, in_dim: int, hidden: int, L: int, mu: float):
+        super().__init__()
+        for name, v in (("in_dim", in_dim), ("hidden", hidden), ("L", L)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not mu > 0:
+            raise ValueError(f"mu must be positive, got {mu!r}")
+        self.in_dim, self.hidden, self.L, self.mu = in_dim, hidden, L, float(mu)
+        self.register_buffer("feat_mean", torch.zeros(in_dim))
+        self.register_buffer("feat_std", torch.ones(in_dim))
+        self.mlp = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), nn.Linear(hidden, L))
+
+    @torch.no_grad()
+    def set_feature_stats(self, feats: torch.Tensor) -> None:
+        """Standardise inputs with the mean/std of training features feats: (N, in_dim)."""
+        self.feat_mean.copy_(feats.mean(0))
+        self.feat_std.copy_(feats.std(0).clamp_min(1e-6))
+
+    def arch(self) -> dict:
+        return {"in_dim": self.in_dim, "hidden": self.hidden, "L": self.L, "mu": self.mu}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.mlp((x - self.feat_mean) / self.feat_std)  # (N, L)
+        # Radial cap: rescale rows whose norm exceeds mu onto the sphere of radius mu.
+        norm = z.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        return z * torch.clamp(self.mu / norm, max=1.0)
