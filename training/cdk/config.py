@@ -15,6 +15,8 @@ __all__ = ["Config", "PRESETS", "METHODS", "NESTING_OF", "make_config", "parse_a
 NESTING_OF = {"neuralsvd-jnt": "joint", "neuralsvd-seq": "sequential", "lora": "none"}
 METHODS = tuple(NESTING_OF)
 PAIRINGS = ("class", "instance")
+# Fields that do not change what is trained: a run may be resumed with other values.
+RUNTIME_FIELDS = ("out", "threads", "cache_dir", "k", "gallery_queries", "gallery_topk")
 
 
 @dataclass(frozen=True)
