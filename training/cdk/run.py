@@ -108,7 +108,11 @@ def run(cfg: Config) -> dict:
     g = embed_features(res.heads["photo"], te_p, dev)  # (Np, L)
     full = retrieval_metrics(f, g, te.sketch_labels, te.photo_labels, cfg.k)
     curves = structure_curves(f, g, te.sketch_labels, te.photo_labels, cfg.k)
-    raw = cosine_scores_metrics(te_s, te_p, te.sketch_labels, te.photo_labels, cfg.k)
+    if res.backbones is not None:  # the baseline is the pretrained backbone, not the tuned one
+        te_s0, te_p0 = feats(te.sketches, "test sketches"), feats(te.photos, "test photos")
+    else:
+        te_s0, te_p0 = te_s, te_p
+    raw = cosine_scores_metrics(te_s0, te_p0, te.sketch_labels, te.photo_labels, cfg.k)
     metrics = {
         **full,
         "map_by_dims": {str(d): m["map_all"] for d, m in curves["most"].items()},
