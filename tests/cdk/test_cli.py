@@ -104,3 +104,11 @@ def test_cli_finetune_trains_separate_backbones(tiny, tmp_path):
     assert changed, "fine-tuning left both backbones identical"
     assert Embedder.from_checkpoint(out / "checkpoint.pt").embed(
         [load_image(next(Path(root, "sketch", "bat").iterdir()))], "sketch").shape == (1, 4)
+
+
+def test_cli_instance_pairing(tiny, tmp_path):
+    root, split = tiny
+    out = tmp_path / "inst"
+    main(_args(root, split, out, tmp_path / "cache", "--pairing", "instance"))
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["config"]["pairing"] == "instance" and 0 <= m["map_all"] <= 1

@@ -108,7 +108,7 @@ def test_cli_parsing_rules(tmp_path, monkeypatch):
     cfg = parse_args(["--data", "d", "--preset", "paper", "--seed", "3"])
     assert (cfg.L, cfg.hidden, cfg.batch_size, cfg.epochs, cfg.lr, cfg.mu) == \
         (512, 8192, 4096, 10, 5e-3, 16.0)
-    assert cfg.momentum == 0.9 and cfg.grad_clip > 0 and cfg.seed == 3
+    assert cfg.momentum == 0.9 and cfg.grad_clip > 0 and cfg.seed == 3 and cfg.k == 100
     assert parse_args(["--data", "d", "--finetune", "true"]).finetune is True
     for bad in (["--data", "d", "--nosuchflag", "1"], ["--data", "d", "--method", "pca"],
                 ["--data", "d", "--preset", "gpu"], ["--data", "d", "--epochs", "two"],

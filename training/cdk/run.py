@@ -55,6 +55,15 @@ def embed_features(head, feats: torch.Tensor, device) -> torch.Tensor:
                       for i in range(0, len(feats), 8192)])
 
 
+def _train_orthogonality(res, tr_s, tr_p, device) -> dict:
+    """Orthogonality of the learned functions on the training classes (frozen backbones
+    only; the fine-tuned ones would need the training images again)."""
+    if res.backbones is not None:
+        return {}
+    return {"sketch": orthogonality(embed_features(res.heads["sketch"], tr_s, device)),
+            "photo": orthogonality(embed_features(res.heads["photo"], tr_p, device))}
+
+
 def run(cfg: Config) -> dict:
     """Train and evaluate per ``cfg``; returns the metrics written to out/metrics.json."""
     if cfg.threads > 0:
@@ -99,7 +108,11 @@ def run(cfg: Config) -> dict:
     g = embed_features(res.heads["photo"], te_p, dev)  # (Np, L)
     full = retrieval_metrics(f, g, te.sketch_labels, te.photo_labels, cfg.k)
     curves = structure_curves(f, g, te.sketch_labels, te.photo_labels, cfg.k)
-    raw = cosine_scores_metrics(te_s, te_p, te.sketch_labels, te.photo_labels, cfg.k)
+    if res.backbones is not None:  # the baseline is the pretrained backbone, not the tuned one
+        te_s0, te_p0 = feats(te.sketches, "test sketches"), feats(te.photos, "test photos")
+    else:
+        te_s0, te_p0 = te_s, te_p
+    raw = cosine_scores_metrics(te_s0, te_p0, te.sketch_labels, te.photo_labels, cfg.k)
     metrics = {
         **full,
         "map_by_dims": {str(d): m["map_all"] for d, m in curves["most"].items()},
@@ -109,6 +122,7 @@ def run(cfg: Config) -> dict:
                                     for d, m in curves["least"].items()},
         "singular_values": res.singular_values.tolist(),
         "orthogonality_test": {"sketch": orthogonality(f), "photo": orthogonality(g)},
+        "orthogonality_train": _train_orthogonality(res, tr_s, tr_p, dev),
         "raw_backbone_cosine": raw,
         "method": cfg.method, "backbone": cfg.backbone, "preset": cfg.preset,
         "seed": cfg.seed,

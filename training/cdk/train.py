@@ -25,7 +25,7 @@ from torch import nn
 from ..loss import cdk_loss, nesting_masks, singular_values
 from .backbones import Backbone
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import NESTING_OF, Config, to_dict
+from .config import NESTING_OF, RUNTIME_FIELDS, Config, to_dict
 from .data import PairSampler
 from .images import images_to_tensor, load_image
 from .model import MODALITIES, Head
@@ -89,7 +89,7 @@ def _cosine(total: int):
 
 
 def _comparable(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in ("out",)}
+    return {k: v for k, v in cfg.items() if k not in RUNTIME_FIELDS}
 
 
 @torch.no_grad()
@@ -161,7 +161,8 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
         ck = load_checkpoint(ckpt_path, map_location="cpu")
         if _comparable(ck["config"]) != _comparable(to_dict(cfg)):
             diff = sorted(k for k in set(ck["config"]) | set(to_dict(cfg))
-                          if k != "out" and ck["config"].get(k) != to_dict(cfg).get(k))
+                          if k not in RUNTIME_FIELDS
+                          and ck["config"].get(k) != to_dict(cfg).get(k))
             raise ValueError(f"{ckpt_path} holds a run with a different config ({diff}); "
                              "use another --out")
         for m in MODALITIES:
