@@ -48,8 +48,11 @@ def exact_laplacian(fn: Fn, log_weight: Fn, x: torch.Tensor, n_modes: int, creat
         f = ft * torch.exp(0.5 * log_weight(xr)).T  # (B, L), f = sqrt(w) f~ per mode input
         (grad,) = torch.autograd.grad(f.sum(), xr, create_graph=True)  # (L, B, D)
         lap = torch.zeros_like(f)
-        for i in range(x.shape[1]):
-            (g2,) = torch.autograd.grad(grad[..., i].sum(), xr, create_graph=create_graph)
+        D = x.shape[1]
+        for i in range(D):
+            (g2,) = torch.autograd.grad(
+                grad[..., i].sum(), xr, create_graph=create_graph, retain_graph=i < D - 1
+            )
             lap = lap + g2[..., i].T
     return ft, lap * torch.exp(-0.5 * log_weight(x)).unsqueeze(-1)
 
