@@ -60,6 +60,7 @@ class SpIN:
     """
 
     def __init__(self, n_modes: int, decay: float = 0.99, jitter: float = 1e-10):
+        """jitter: added to Sigma's diagonal before Cholesky, relative to its mean diagonal."""
         if not 0 <= decay < 1:
             raise ValueError(f"SpIN decay must be in [0, 1), got {decay!r}")
         self.n_modes, self.decay, self.jitter = n_modes, decay, jitter
@@ -94,7 +95,7 @@ class SpIN:
             else:
                 for avg, j in zip(self.jac, jac_hat, strict=True):
                     avg.mul_(self.decay).add_(j, alpha=1 - self.decay)
-            chol = torch.linalg.cholesky(self.sigma + self.jitter * eye)
+            chol = self._cholesky(self.sigma, eye)
             chol_inv = torch.linalg.solve_triangular(chol, eye, upper=False)
             d_inv = torch.diag(1 / torch.diagonal(chol))
             lam = chol_inv @ pi_hat @ chol_inv.T
@@ -104,6 +105,18 @@ class SpIN:
         loss = -2 * (ft * first).mean(0).sum()
         loss = loss + sum((p * g).sum() for p, g in zip(params, direct, strict=True))
         return loss, torch.diagonal(lam).clone()
+
+    def _cholesky(self, sigma, eye):
+        # Sigma can be near-singular early on (small batches, similar modes): add a jitter
+        # relative to its scale, growing it until the factorisation succeeds.
+        scale = torch.diagonal(sigma).mean()
+        jitter = self.jitter
+        for _ in range(8):
+            chol, info = torch.linalg.cholesky_ex(sigma + jitter * scale * eye)
+            if info.item() == 0:
+                return chol
+            jitter = max(10 * jitter, 1e-8)
+        raise ValueError(f"SpIN: the Gram matrix is not positive definite (jitter {jitter:g})")
 
     def state_dict(self) -> dict:
         return {"sigma": self.sigma, "jac": self.jac}

@@ -51,7 +51,8 @@ def exact_laplacian(fn: Fn, log_weight: Fn, x: torch.Tensor, n_modes: int, creat
         D = x.shape[1]
         for i in range(D):
             (g2,) = torch.autograd.grad(
-                grad[..., i].sum(), xr, create_graph=create_graph, retain_graph=i < D - 1
+                grad[..., i].sum(), xr, create_graph=create_graph,
+                retain_graph=create_graph or i < D - 1,
             )
             lap = lap + g2[..., i].T
     return ft, lap * torch.exp(-0.5 * log_weight(x)).unsqueeze(-1)
