@@ -78,8 +78,8 @@ def paper(problem: Problem) -> dict:
 def cpu(problem: Problem) -> dict:
     """About 10 minutes on 2 CPU cores: smaller networks and a larger learning rate."""
     return dict(
-        iterations=6000,
-        batch_size=128,
+        iterations=12_000,
+        batch_size=256,
         lr=1e-3,
         fourier_features=64,
         fourier_scale=problem.fourier_scale,
