@@ -6,7 +6,7 @@
    side at the same budget (same preset, iterations and seed).
 3. The grid solver (5-point finite differences + scipy eigsh): error and time.
 
-    python benchmarks/pde_bench.py --out runs/pde-bench [--iterations N] [--skip-steps]
+    python -m benchmarks.pde_bench --out runs/pde-bench [--iterations N] [--skip-steps]
 
 Writes OUT/bench.json and OUT/errors_by_method.png and prints markdown tables.
 """

@@ -36,6 +36,17 @@ def test_all_measures_vanish_on_the_truth_scaled_like_nestedlora(truth):
     assert s["subspace_distance_mean"] < 1e-12
     assert s["angle_distance_mean"] < 1e-6  # arccos is steep at 1
     assert s["orthogonality"] < 1e-24
+    assert s["order_correct"] and s["modes_in_right_level"] == 16
+
+
+def test_swapped_levels_are_reported_out_of_order(truth):
+    psi, w, lam, ev = truth
+    f = psi.clone()
+    f[:, [0, 1]] = psi[:, [1, 0]]  # the ground state learned second
+    Tf = f * lam[[1, 0] + list(range(2, 16))]
+    s = _summary(f, Tf, truth)
+    assert not s["order_correct"] and s["modes_in_right_level"] == 14
+    assert metrics.level_assignment([1.0, 0.05, 0.022, -1.0], [1.0, 1 / 25, 1 / 49]) == [0, 1, 2, 2]
 
 
 def test_rotation_inside_a_degenerate_subspace_changes_nothing(truth):

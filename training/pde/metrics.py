@@ -21,6 +21,7 @@ __all__ = [
     "procrustes_align",
     "angle_distances",
     "subspace_distances",
+    "level_assignment",
     "orthogonality",
     "summarize",
 ]
@@ -117,6 +118,19 @@ def subspace_distances(learned, truth, w, groups) -> torch.Tensor:
     return torch.stack(out)
 
 
+def level_assignment(estimates, eigenvalues_true) -> list[int]:
+    """For each learned mode, the index of the distinct true eigenvalue (level) nearest to
+    its estimate in log scale (levels span orders of magnitude): (L,) -> L ints."""
+    levels = sorted({float(v) for v in eigenvalues_true}, reverse=True)
+    out = []
+    for e in torch.as_tensor(estimates, dtype=torch.float64).tolist():
+        if e <= 0:
+            out.append(len(levels) - 1)  # below every positive level
+            continue
+        out.append(min(range(len(levels)), key=lambda j: abs(math.log(e / levels[j]))))
+    return out
+
+
 def orthogonality(learned, w) -> torch.Tensor:
     """(1 / L^2) sum_{l,l'} (<psi_l, psi_l'> - delta_ll')^2 of the normalised functions."""
     a = normalize(learned, w)
@@ -140,6 +154,9 @@ def summarize(f, Tf, truth, w, eigenvalues_true) -> dict:
     rel = relative_errors(rq[:n], ev_true)
     angles = angle_distances(procrustes_align(fe, truth, w, groups), truth, w)
     sub = subspace_distances(fe, truth, w, groups)
+    levels = sorted({float(v) for v in eigenvalues_true}, reverse=True)
+    expected = [levels.index(float(v)) for v in eigenvalues_true]
+    found = level_assignment(rq[:n], eigenvalues_true)
     return {
         "eigenvalues_true": ev_true.tolist(),
         "eigenvalues": rq.tolist(),
@@ -153,4 +170,7 @@ def summarize(f, Tf, truth, w, eigenvalues_true) -> dict:
         "subspace_distance_mean": sub.mean().item(),
         "orthogonality": orthogonality(fe, w).item(),
         "degenerate_groups": groups,
+        # learned order: each mode's Rayleigh quotient lies nearest to its own level
+        "modes_in_right_level": sum(a == b for a, b in zip(found, expected, strict=True)),
+        "order_correct": found == expected,
     }
