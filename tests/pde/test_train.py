@@ -50,3 +50,11 @@ def test_resume_with_different_settings_is_an_error(tmp_path):
     train(_config(tmp_path, iterations=2), progress=False)
     with pytest.raises(ValueError, match=r"lr: 0.001 -> 0.002"):
         train(_config(tmp_path, iterations=2, lr=2e-3, resume=True), progress=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_trains_on_cuda_when_present(tmp_path):
+    model, info = train(_config(tmp_path, iterations=2, method="neuralsvd-seq"), progress=False)
+    assert info["device"].startswith("cuda")
+    assert next(model.parameters()).device.type == "cpu"  # returned for evaluation
