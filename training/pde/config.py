@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from training.pde.laplacian import LAPLACIANS
 from training.pde.methods import METHODS
-from training.pde.problems import PROBLEMS, Problem
+from training.pde.problems import PROBLEMS, Problem, make_problem
 
 __all__ = ["Config", "PRESETS", "preset", "build_parser", "config_from_args"]
 
@@ -140,8 +140,6 @@ def config_from_args(argv=None) -> Config:
     overrides = {
         k: v for k, v in vars(args).items() if k not in ("problem", "preset") and v is not None
     }
-    from training.pde.problems import make_problem
-
     try:
         problem = make_problem(args.problem, overrides.get("ndim"))
         return preset(args.preset, problem, **overrides)
