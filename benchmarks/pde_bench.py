@@ -65,6 +65,7 @@ def main(argv=None):
     parser.add_argument("--iterations", type=int, default=None,
                         help="override the cpu preset's iterations (same for every method)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--skip-train", action="store_true")
@@ -79,7 +80,7 @@ def main(argv=None):
 
     if not args.skip_steps:
         rows = {}
-        for method in METHODS:
+        for method in args.methods:
             for b in (128, 512):
                 wall, cpu = seconds_per_step(problem, method, b, args.steps)
                 rows[f"{method} @ {b}"] = {"wall": wall, "cpu": cpu}
@@ -90,7 +91,7 @@ def main(argv=None):
     if not args.skip_train:
         overrides = {} if args.iterations is None else {"iterations": args.iterations}
         runs = {}
-        for method in METHODS:
+        for method in args.methods:
             config = preset("cpu", problem, method=method, threads=args.threads,
                             out=str(out / method), **overrides)
             m = run_config(config, progress=False)
@@ -121,7 +122,7 @@ def _print_tables(result):
         print("\n| method | batch 128: wall / CPU s per step | batch 512: wall / CPU s per step |"
               "\n|---|---|---|")
         rows = result["seconds_per_step_paper_arch"]
-        for m in METHODS:
+        for m in [k.split(" @ ")[0] for k in rows if k.endswith("@ 128")]:
             a, b = rows[f"{m} @ 128"], rows[f"{m} @ 512"]
             print(f"| {m} | {a['wall']:.3f} / {a['cpu']:.3f} | {b['wall']:.3f} / {b['cpu']:.3f} |")
     table = dict(result.get("cpu_preset", {}).get("runs", {}))
