@@ -1,0 +1,93 @@
+"""Analytic eigenfunctions are oracles: they must solve the eigen-equation under the
+finite-difference Laplacian and be orthonormal under the evaluation quadrature."""
+
+import math
+
+import numpy as np
+import pytest
+import scipy.special
+import torch
+
+from training.pde.laplacian import fd_laplacian
+from training.pde.metrics import degenerate_groups
+from training.pde.problems import (
+    PROBLEMS,
+    _hyp1f1_terminating,
+    hermite_function,
+    make_problem,
+)
+
+CASES = [("hydrogen", 2), ("oscillator", 2), ("oscillator", 3)]
+
+
+def _points(problem, n=400, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    if problem.name == "hydrogen":  # radii 0.5..40 (away from the cusp at the origin)
+        r = 0.5 + 39.5 * torch.rand(n, generator=gen, dtype=torch.float64)
+        t = 2 * math.pi * torch.rand(n, generator=gen, dtype=torch.float64)
+        return torch.stack([r * torch.cos(t), r * torch.sin(t)], -1)
+    return 1.5 * torch.randn(n, problem.ndim, generator=gen, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("name,ndim", CASES)
+def test_eigenfunctions_solve_the_eigen_equation_under_fd(name, ndim):
+    problem = make_problem(name, ndim)
+    x = _points(problem)
+    zero = lambda z: torch.zeros(z.shape[0], dtype=z.dtype)  # noqa: E731, Lebesgue weight
+    psi, lap = fd_laplacian(problem.eigenfunctions, zero, x, eps=0.01)
+    Tpsi = lap + (problem.shift - problem.potential(x)).unsqueeze(-1) * psi
+    lam = torch.tensor(problem.eigenvalues_true, dtype=torch.float64)
+    scale = psi.abs().max(0).values  # (n_eval,)
+    residual = (Tpsi - lam * psi).abs().max(0).values / scale
+    assert residual.max() < 2e-3  # O(eps^2) truncation error
+    # and the check has teeth: a 50% wrong eigenvalue leaves a residual of 0.5 lambda >= 0.01
+    off = (Tpsi - 1.5 * lam * psi).abs().max(0).values / scale
+    assert off.min() > 5e-3
+
+
+@pytest.mark.parametrize("name,ndim", CASES)
+def test_eigenfunctions_are_orthonormal_under_the_quadrature(name, ndim):
+    problem = make_problem(name, ndim)
+    x, w = problem.quadrature("cpu")
+    psi = problem.eigenfunctions(x)
+    gram = psi.T @ (w.unsqueeze(-1) * psi)
+    # deterministic rules in 2D, Monte Carlo with 2^16 samples in 3D
+    tol = 1e-4 if ndim == 2 else 0.03
+    assert (gram - torch.eye(problem.n_eval, dtype=gram.dtype)).abs().max() < tol
+
+
+def test_spectra_and_degeneracies():
+    h = make_problem("hydrogen")
+    assert [len(g) for g in degenerate_groups(h.eigenvalues_true)] == [1, 3, 5, 7]
+    assert h.n_modes == 16
+    assert h.eigenvalues_true[0] == 1.0 and h.eigenvalues_true[-1] == pytest.approx(1 / 49)
+    o = make_problem("oscillator")
+    assert o.shift == 16 and o.n_eval == 28 and o.n_modes == 55
+    assert [len(g) for g in degenerate_groups(o.eigenvalues_true)] == list(range(1, 8))
+    assert min(o.eigenvalues_true) > 0
+    for D in (3, 5):
+        p = make_problem("oscillator", D)
+        groups = degenerate_groups(p.eigenvalues_true)
+        # level n: eigenvalue shift - 2(n + D/2), degeneracy C(n+D-1, D-1)
+        assert [len(g) for g in groups] == [math.comb(n + D - 1, D - 1) for n in range(3)]
+        assert [p.eigenvalues_true[g[0]] for g in groups] == [6.0, 4.0, 2.0]
+
+
+def test_special_functions_match_scipy():
+    z = torch.linspace(0, 12, 50, dtype=torch.float64)
+    for a, b in [(0, 1), (-1, 3), (-3, 1), (-2, 5)]:
+        ref = scipy.special.hyp1f1(a, b, z.numpy())
+        np.testing.assert_allclose(_hyp1f1_terminating(a, b, z).numpy(), ref, rtol=1e-10)
+    x = torch.linspace(-4, 4, 41, dtype=torch.float64)
+    for k in range(7):
+        norm = 1 / math.sqrt(2**k * math.factorial(k) * math.sqrt(math.pi))
+        ref = norm * np.exp(-x.numpy() ** 2 / 2) * scipy.special.eval_hermite(k, x.numpy())
+        np.testing.assert_allclose(hermite_function(k, x).numpy(), ref, atol=1e-12)
+
+
+def test_unknown_problem_and_dimension_are_errors():
+    with pytest.raises(ValueError, match="unknown problem 'helium'"):
+        make_problem("helium")
+    with pytest.raises(ValueError, match="ndim=3"):
+        make_problem("hydrogen", 3)
+    assert set(PROBLEMS) == {"hydrogen", "oscillator"}

@@ -1,0 +1,71 @@
+"""Each method runs a few steps of a tiny config end to end through the command line and
+writes metrics.json, the checkpoint and the plots; bad flags and values are errors."""
+
+import json
+
+import pytest
+import torch
+
+from training.pde.config import config_from_args
+from training.pde.run import run
+
+TINY = [
+    "--preset", "cpu", "--iterations", "3", "--batch-size", "16", "--fourier-features", "4",
+    "--hidden", "8", "--threads", "1", "--checkpoint-every", "2",
+]
+KEYS = {
+    "problem", "method", "iterations", "seconds", "eigenvalues_true", "eigenvalues",
+    "rel_errors", "rel_error_mean", "subspace_distance_mean", "orthogonality",
+}
+
+
+@pytest.mark.parametrize("method", ["neuralsvd-seq", "neuralsvd-jnt", "lora", "neuralef", "spin"])
+def test_each_method_runs_end_to_end_on_hydrogen(method, tmp_path):
+    torch.manual_seed(0)
+    run(["hydrogen", "--method", method, "--seed", "1", "--out", str(tmp_path), *TINY])
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert KEYS <= set(m)
+    assert m["problem"] == "hydrogen" and m["method"] == method and m["iterations"] == 3
+    assert len(m["eigenvalues"]) == 16 and len(m["rel_errors"]) == 16
+    assert all(map(lambda v: v == v, m["eigenvalues"]))  # no NaN
+    for name in ("checkpoint.pt", "eigenfunctions.png", "orthogonality.png", "errors.png"):
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def test_oscillator_in_3d_and_2d_with_the_exact_laplacian(tmp_path):
+    run(["oscillator", "--ndim", "3", "--out", str(tmp_path / "d3"), "--eval-points", "2048",
+         *TINY])
+    m = json.loads((tmp_path / "d3" / "metrics.json").read_text())
+    assert m["ndim"] == 3 and len(m["eigenvalues"]) == 20 and len(m["rel_errors"]) == 10
+    run(["oscillator", "--laplacian", "exact", "--iterations", "2", "--out",
+         str(tmp_path / "d2"), *TINY[2:]])
+    m = json.loads((tmp_path / "d2" / "metrics.json").read_text())
+    assert len(m["eigenvalues"]) == 55 and len(m["rel_errors"]) == 28
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["hydrogen", "--learning-rate", "1"], "unrecognized arguments: --learning-rate"),
+        (["hydrogen", "--method", "pca"], "invalid choice: 'pca'"),
+        (["hydrogen", "--preset", "gpu"], "invalid choice: 'gpu'"),
+        (["helium"], "invalid choice: 'helium'"),
+        (["hydrogen", "--iterations", "many"], "invalid int value: 'many'"),
+        (["hydrogen", "--batch-size", "1"], "batch_size must be >= 2, got 1"),
+        (["hydrogen", "--ndim", "3"], "ndim=3"),
+    ],
+)
+def test_bad_flags_and_values_are_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        config_from_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_presets_and_overrides():
+    paper = config_from_args(["oscillator"])
+    assert (paper.fourier_features, paper.fourier_scale, paper.iterations) == (256, 1.0, 100_000)
+    assert paper.lr == 1e-4 and paper.hidden == 128
+    h = config_from_args(["hydrogen", "--batch-size", "512", "--seed", "3"])
+    assert (h.fourier_features, h.iterations, h.batch_size, h.seed) == (1024, 500_000, 512, 3)
+    cpu = config_from_args(["hydrogen", "--preset", "cpu"])
+    assert cpu.iterations < h.iterations and cpu.fourier_features < h.fourier_features

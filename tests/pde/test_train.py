@@ -1,0 +1,60 @@
+"""Checkpoints resume a run exactly where it stopped; settings must match to resume."""
+
+import pytest
+import torch
+
+import training.pde.train as train_module
+from training.pde.config import preset
+from training.pde.problems import make_problem
+from training.pde.train import load_checkpoint, train
+
+
+def _config(out, **kw):
+    values = dict(iterations=4, batch_size=16, fourier_features=4, hidden=8, threads=1,
+                  checkpoint_every=2, out=str(out), method="spin")
+    return preset("cpu", make_problem("hydrogen"), **{**values, **kw})
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_resume_after_an_interruption_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
+    full, _ = train(_config(tmp_path / "full"), progress=False)
+
+    real_tqdm = train_module.tqdm
+
+    class StopAtThree(real_tqdm):
+        steps = 0
+
+        def update(self, n=1):
+            super().update(n)
+            StopAtThree.steps += n
+            if StopAtThree.steps == 3:  # after step 3; the last checkpoint is from step 2
+                raise _Interrupt
+
+    monkeypatch.setattr(train_module, "tqdm", StopAtThree)
+    with pytest.raises(_Interrupt):
+        train(_config(tmp_path / "cut"), progress=False)
+    monkeypatch.setattr(train_module, "tqdm", real_tqdm)
+    config, _, ckpt = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
+    assert ckpt["step"] == 2 and config.method == "spin"
+
+    resumed, info = train(_config(tmp_path / "cut", resume=True), progress=False)
+    assert info["steps"] == 4
+    for a, b in zip(full.state_dict().values(), resumed.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_resume_with_different_settings_is_an_error(tmp_path):
+    train(_config(tmp_path, iterations=2), progress=False)
+    with pytest.raises(ValueError, match=r"lr: 0.001 -> 0.002"):
+        train(_config(tmp_path, iterations=2, lr=2e-3, resume=True), progress=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_trains_on_cuda_when_present(tmp_path):
+    model, info = train(_config(tmp_path, iterations=2, method="neuralsvd-seq"), progress=False)
+    assert info["device"].startswith("cuda")
+    assert next(model.parameters()).device.type == "cpu"  # returned for evaluation

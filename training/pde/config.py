@@ -1,0 +1,147 @@
+"""One frozen dataclass of settings for ``python -m training.pde``, its presets and the
+command-line overrides. The presets depend on the problem (the paper used different
+Fourier features and iteration counts per problem), so a preset is a function of it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from training.pde.laplacian import LAPLACIANS
+from training.pde.methods import METHODS
+from training.pde.problems import PROBLEMS, Problem, make_problem
+
+__all__ = ["Config", "PRESETS", "preset", "build_parser", "config_from_args"]
+
+
+@dataclass(frozen=True)
+class Config:
+    problem: str = "hydrogen"
+    ndim: int = 2
+    method: str = "neuralsvd-seq"
+    n_modes: int = 0  # 0: the problem's L (16 hydrogen, 55 for the 2D oscillator)
+    iterations: int = 500_000
+    batch_size: int = 128
+    lr: float = 1e-4
+    fourier_features: int = 1024  # K
+    fourier_scale: float = 0.1  # kappa
+    hidden: int = 128
+    laplacian: str = "fd"  # "fd" (central differences) or "exact" (autograd)
+    fd_eps: float = 0.01
+    ema_decay: float = 0.995  # EMA of the parameters, used for evaluation
+    spin_decay: float = 0.99  # SpIN's moving averages of Sigma and the Jacobian
+    eval_points: int = 0  # 0: the problem's quadrature default
+    seed: int = 0
+    checkpoint_every: int = 1000
+    threads: int = 2  # torch CPU threads
+    device: str = "auto"  # "auto": CUDA when present, else CPU
+    out: str = "runs/pde"
+    resume: bool = False  # continue from OUT/checkpoint.pt (same settings)
+
+    def __post_init__(self):
+        choices = {"problem": PROBLEMS, "method": METHODS, "laplacian": LAPLACIANS}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}"
+                )
+        for name in ["ndim", "iterations", "batch_size", "fourier_features", "hidden"]:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.batch_size < 2:
+            raise ValueError(f"batch_size must be >= 2, got {self.batch_size}")
+        for name in ["lr", "fourier_scale", "fd_eps", "checkpoint_every"]:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        for name in ["ema_decay", "spin_decay"]:
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if self.n_modes < 0 or self.eval_points < 0:
+            raise ValueError(
+                f"n_modes and eval_points must be >= 0, got {self.n_modes}, {self.eval_points}"
+            )
+
+
+def paper(problem: Problem) -> dict:
+    """The paper's settings (appendix "Solving Time-Independent Schrodinger Equations")."""
+    return dict(
+        iterations=problem.paper_iterations,
+        batch_size=128,
+        lr=1e-4,
+        fourier_features=problem.fourier_features,
+        fourier_scale=problem.fourier_scale,
+        hidden=128,
+    )
+
+
+def cpu(problem: Problem) -> dict:
+    """About 10 minutes on 2 CPU cores: smaller networks and a larger learning rate."""
+    return dict(
+        iterations=12_000,
+        batch_size=256,
+        lr=1e-3,
+        fourier_features=64,
+        fourier_scale=problem.fourier_scale,
+        hidden=64,
+    )
+
+
+PRESETS = {"paper": paper, "cpu": cpu}
+
+
+def preset(name: str, problem: Problem, **overrides) -> Config:
+    """The named preset for a problem, with field overrides (unknown fields are errors)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {list(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown config field(s) {unknown}; known: {sorted(fields)}")
+    values = {"problem": problem.name, "ndim": problem.ndim, **PRESETS[name](problem)}
+    return Config(**{**values, **overrides})
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """PROBLEM [--preset paper|cpu] and one --flag per Config field; unknown flags error."""
+    parser = argparse.ArgumentParser(
+        prog="python -m training.pde",
+        description="Learn the top eigenfunctions of a Schrodinger operator.",
+    )
+    parser.add_argument("problem", choices=list(PROBLEMS))
+    parser.add_argument("--preset", choices=list(PRESETS), default="paper")
+    choices = {"method": list(METHODS), "laplacian": list(LAPLACIANS)}
+    for f in dataclasses.fields(Config):
+        if f.name == "problem":
+            continue
+        kind = {int: int, float: float, str: str, bool: _bool}[type(f.default)]
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=kind,
+            choices=choices.get(f.name),
+            default=None,
+            help=f"(default: the preset's, else {f.default!r})",
+        )
+    return parser
+
+
+def config_from_args(argv=None) -> Config:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    overrides = {
+        k: v for k, v in vars(args).items() if k not in ("problem", "preset") and v is not None
+    }
+    try:
+        problem = make_problem(args.problem, overrides.get("ndim"))
+        return preset(args.preset, problem, **overrides)
+    except ValueError as e:
+        parser.error(str(e))

@@ -1,0 +1,75 @@
+"""PNG figures: learned vs analytic eigenfunctions (aligned), the orthogonality matrix,
+and the relative eigenvalue error per mode for one or several methods."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+__all__ = ["eigenfunctions", "orthogonality", "errors_per_mode"]
+
+
+def eigenfunctions(learned, truth, half_width: float, path, title: str = "") -> None:
+    """learned, truth: (n, n, k) on [-h, h]^2; rows alternate learned / truth, 8 modes a row."""
+    learned, truth = np.asarray(learned), np.asarray(truth)
+    k = truth.shape[-1]
+    per_row = min(k, 8)
+    blocks = math.ceil(k / per_row)
+    fig, axes = plt.subplots(
+        2 * blocks, per_row, figsize=(1.6 * per_row, 3.4 * blocks), squeeze=False
+    )
+    ext = [-half_width, half_width, -half_width, half_width]
+    for ax in axes.flat:
+        ax.axis("off")
+    for i in range(k):
+        b, c = divmod(i, per_row)
+        vmax = np.abs(truth[..., i]).max() or 1.0
+        for r, (img, label) in enumerate([(learned, "learned"), (truth, "truth")]):
+            ax = axes[2 * b + r, c]
+            ax.imshow(img[..., i], extent=ext, origin="lower", cmap="RdBu_r",
+                      vmin=-vmax, vmax=vmax)
+            ax.set_title(f"{label} {i}", fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def orthogonality(gram, path, title: str = "") -> None:
+    """gram: (L, L) inner products of the normalised learned functions."""
+    fig, ax = plt.subplots(figsize=(4, 3.4))
+    im = ax.imshow(np.asarray(gram), cmap="RdBu_r", vmin=-1, vmax=1)
+    fig.colorbar(im, ax=ax)
+    ax.set_title(title or "<psi_i, psi_j>", fontsize=9)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def errors_per_mode(errors: dict, path, title: str = "") -> None:
+    """errors: method -> relative eigenvalue errors per mode (in learned order)."""
+    fig, ax = plt.subplots(figsize=(7, 3))
+    n = len(errors)
+    for j, (name, err) in enumerate(errors.items()):
+        err = np.maximum(np.asarray(err, dtype=float), 1e-12)
+        x = np.arange(len(err)) + (j - (n - 1) / 2) * 0.8 / max(n, 1)
+        ax.bar(x, err, width=0.8 / max(n, 1), label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("mode")
+    ax.set_ylabel("relative error of eigenvalue")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def _save(fig, path) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)

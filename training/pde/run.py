@@ -1,0 +1,70 @@
+"""The command line: train, evaluate, and write OUT/metrics.json and the plots."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+
+from training.pde import plots
+from training.pde.config import Config, config_from_args
+from training.pde.evaluate import aligned_on_grid, evaluate
+from training.pde.problems import make_problem
+from training.pde.train import train
+
+__all__ = ["run", "run_config"]
+
+log = logging.getLogger(__name__)
+
+
+def _write_json(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def run_config(config: Config, progress: bool = True) -> dict:
+    """Train, evaluate the EMA model and write OUT/metrics.json plus PNGs; returns the
+    metrics."""
+    problem = make_problem(config.problem, config.ndim)
+    model, info = train(config, progress=progress)
+    result = evaluate(model, problem, config.laplacian, config.fd_eps, config.eval_points)
+    m = result["metrics"]
+    out = Path(config.out)
+    metrics = {
+        "problem": problem.name,
+        "ndim": problem.ndim,
+        "method": config.method,
+        "iterations": info["steps"],
+        "seconds": info["seconds"],
+        "device": info["device"],
+        **m,
+        "config": dataclasses.asdict(config),
+    }
+    _write_json(metrics, out / "metrics.json")
+    label = f"{problem.name} {config.method}"
+    plots.orthogonality(result["gram"], out / "orthogonality.png", f"{label}: orthogonality")
+    plots.errors_per_mode(
+        {config.method: m["rel_errors"]}, out / "errors.png", f"{label}: eigenvalue errors"
+    )
+    if problem.ndim == 2:
+        learned, truth = aligned_on_grid(
+            model, problem, result["rotations"], result["norms"], problem.plot_half_width
+        )
+        plots.eigenfunctions(learned, truth, problem.plot_half_width,
+                             out / "eigenfunctions.png", f"{label} (aligned) vs analytic")
+    return metrics
+
+
+def run(argv=None) -> dict:
+    config = config_from_args(argv)
+    metrics = run_config(config)
+    print(
+        f"{metrics['problem']} {metrics['method']}: {metrics['iterations']} steps in "
+        f"{metrics['seconds']:.0f}s; rel_error_mean {metrics['rel_error_mean']:.3g}, "
+        f"subspace_distance_mean {metrics['subspace_distance_mean']:.3g}, "
+        f"orthogonality {metrics['orthogonality']:.3g}; wrote {config.out}/metrics.json"
+    )
+    return metrics
