@@ -14,12 +14,12 @@ Layout (a dict saved with torch.save)::
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from training.atomic import atomic_save
 
 from .backbones import Backbone, build_backbone
 from .config import make_config, to_dict
@@ -29,40 +29,6 @@ __all__ = ["FORMAT", "VERSION", "save_checkpoint", "load_checkpoint", "init_chec
 
 FORMAT = "sketchsvd-cdk"
 VERSION = 1
-
-
-def atomic_save(obj, path: str | Path) -> Path:
-    """torch.save to a temp file in the target folder, then rename over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def atomic_write_text(text: str, path: str | Path) -> Path:
-    """Write ``text`` to a temp file in the target folder, then rename over ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
 
 
 def save_checkpoint(

@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from training.atomic import atomic_save
+
 from .backbones import Backbone, weights_fingerprint
-from .checkpoint import atomic_save
 from .images import images_to_tensor, load_image
 
 __all__ = ["extract_features", "cache_key"]

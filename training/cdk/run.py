@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from training.atomic import atomic_write_text
+
 from .backbones import build_backbone
-from .checkpoint import atomic_write_text
 from .config import Config, to_dict
 from .data import scan
 from .evaluate import (

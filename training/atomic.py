@@ -1,0 +1,39 @@
+"""Atomic file writes: write a temp file beside the target, fsync, then rename over it, so a
+reader never sees a half-written checkpoint or metrics file."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+import torch
+
+
+def _atomic(path: str | Path, mode: str, write: Callable[[IO], None]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def atomic_save(obj, path: str | Path) -> Path:
+    """``torch.save(obj)`` to ``path`` atomically."""
+    return _atomic(path, "wb", lambda fh: torch.save(obj, fh))
+
+
+def atomic_write_text(text: str, path: str | Path) -> Path:
+    """Write ``text`` to ``path`` atomically."""
+    return _atomic(path, "w", lambda fh: fh.write(text))
