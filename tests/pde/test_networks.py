@@ -38,3 +38,30 @@ def test_bad_inputs_are_errors():
         DisjointMLPs(3, 2, 4, 1.0, 0)
     with pytest.raises(ValueError, match="fourier_scale must be positive"):
         DisjointMLPs(3, 2, 4, -1.0, 8)
+
+
+def _feature_fit_residual(kappa: float) -> torch.Tensor:
+    # relative L2(p_train) residual of the best fit of the oscillator's targets
+    # f~ = psi / sqrt(w) (the ground state and level 1) by one mode's K = 64 features
+    from training.pde.problems import make_problem
+
+    p = make_problem("oscillator")
+    x = p.sample(4000, torch.Generator().manual_seed(1), "cpu", torch.float64)
+    target = p.eigenfunctions(x)[:, :3] * torch.exp(-0.5 * p.log_weight(x)).unsqueeze(-1)
+    net = DisjointMLPs(1, 2, 64, kappa, 4, generator=torch.Generator().manual_seed(0))
+    proj = x @ net.freq[0].double()
+    feat = torch.cat([torch.cos(proj), torch.sin(proj), x, torch.ones_like(x[:, :1])], -1)
+    fit = feat @ torch.linalg.lstsq(feat, target).solution
+    return (((fit - target) ** 2).mean(0) / (target**2).mean(0)).sqrt()
+
+
+def test_oscillator_cpu_features_resolve_the_targets():
+    # kappa = 1 (the paper's, with K = 256) leaves K = 64 features at frequencies ~6 that
+    # cannot form the width-1 bump f~: the cpu run collapsed to zero. The cpu preset's
+    # kappa = 0.15 resolves it.
+    from training.pde.config import preset
+    from training.pde.problems import make_problem
+
+    kappa = preset("cpu", make_problem("oscillator")).fourier_scale
+    assert _feature_fit_residual(kappa).max() < 0.45
+    assert _feature_fit_residual(1.0).min() > 0.7
