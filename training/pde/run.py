@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from pathlib import Path
 
+from training.atomic import atomic_write_text
 from training.pde import plots
 from training.pde.config import Config, config_from_args
 from training.pde.evaluate import aligned_on_grid, evaluate
@@ -17,12 +17,6 @@ from training.pde.train import train
 __all__ = ["run", "run_config"]
 
 log = logging.getLogger(__name__)
-
-
-def _write_json(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def run_config(config: Config, progress: bool = True) -> dict:
@@ -43,7 +37,7 @@ def run_config(config: Config, progress: bool = True) -> dict:
         **m,
         "config": dataclasses.asdict(config),
     }
-    _write_json(metrics, out / "metrics.json")
+    atomic_write_text(json.dumps(metrics, indent=1), out / "metrics.json")
     label = f"{problem.name} {config.method}"
     plots.orthogonality(result["gram"], out / "orthogonality.png", f"{label}: orthogonality")
     plots.errors_per_mode(

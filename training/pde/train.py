@@ -8,13 +8,13 @@ import copy
 import dataclasses
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from training.atomic import atomic_save
 from training.pde.config import Config
 from training.pde.laplacian import negative_hamiltonian
 from training.pde.methods import make_method
@@ -45,12 +45,6 @@ def build_model(config: Config, problem: Problem) -> DisjointMLPs:
         hidden=config.hidden,
         generator=gen,
     )
-
-
-def _save_atomic(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def load_checkpoint(path, map_location="cpu") -> tuple[Config, DisjointMLPs, dict]:
@@ -112,7 +106,7 @@ def train(config: Config, progress: bool = True) -> tuple[DisjointMLPs, dict]:
         log.info("resumed %s at step %d", ckpt_path, step)
 
     def checkpoint():
-        _save_atomic(
+        atomic_save(
             {
                 "config": dataclasses.asdict(config),
                 "step": step,
