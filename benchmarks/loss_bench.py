@@ -88,27 +88,15 @@ def main(argv=None):
     for B, L in [(4096, 512), (512, 16)]:
         f = torch.randn(B, L, generator=gen).to(device)
         g = torch.randn(B, L, generator=gen).to(device)
-        m, M = (x.float().to(device) for x in nesting_masks(L, constant_mode=True))
-        bench(
-            "CDK",
-            functools.partial(cdk_loss, vector_mask=m, matrix_mask=M),
-            functools.partial(cdk_autograd, m=m, M=M),
-            [f, g],
-            2,
-            args.repeats,
-            sync,
-        )
-        m, M = (x.float().to(device) for x in nesting_masks(L))
-        bench(
-            "EVD",
-            functools.partial(evd_loss, vector_mask=m, matrix_mask=M),
-            functools.partial(evd_autograd, m=m, M=M),
-            [f, g],
-            1,
-            args.repeats,
-            sync,
-        )
-
+        # (name, hand-written, autograd, leaves differentiated, CDK masks with constant mode)
+        for name, hand, auto, n_grad, constant in [
+            ("CDK", cdk_loss, cdk_autograd, 2, True),
+            ("EVD", evd_loss, evd_autograd, 1, False),
+        ]:
+            m, M = (x.float().to(device) for x in nesting_masks(L, constant_mode=constant))
+            hand_fn = functools.partial(hand, vector_mask=m, matrix_mask=M)
+            auto_fn = functools.partial(auto, m=m, M=M)
+            bench(name, hand_fn, auto_fn, [f, g], n_grad, args.repeats, sync)
 
 if __name__ == "__main__":
     main()
