@@ -5,7 +5,7 @@ objective, joint nesting) so both compute the same gradient; the script checks t
 agree before timing. Runs are interleaved and the median is reported, so both sides see the
 same machine load.
 
-    python benchmarks/loss_bench.py [--repeats 7] [--device cpu|cuda]
+    python benchmarks/loss_bench.py [--repeats 7] [--device auto|cpu|cuda]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from training.device import pick_device
 from training.loss import cdk_loss, evd_loss, nesting_masks
 
 
@@ -75,9 +76,9 @@ def bench(name, hand, auto, inputs, n_grad, repeats, sync):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="auto", help="auto: CUDA when present")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    device = pick_device(args.device)
 
     def sync():
         if device.type == "cuda":

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from training.device import pick_device
 from training.pde import plots
 from training.pde.config import preset
 from training.pde.grid import solve_grid
@@ -28,14 +29,14 @@ from training.pde.laplacian import negative_hamiltonian
 from training.pde.methods import make_method
 from training.pde.problems import make_problem
 from training.pde.run import run_config
-from training.pde.train import build_model, select_device
+from training.pde.train import build_model
 
 METHODS = ["neuralsvd-seq", "neuralsvd-jnt", "neuralef", "spin"]
 
 
 def seconds_per_step(problem, method: str, batch_size: int, steps: int, warmup: int = 2):
     config = preset("paper", problem, method=method, batch_size=batch_size)
-    device = select_device("auto")
+    device = pick_device()
     model = build_model(config, problem).to(device)
     params = list(model.parameters())
     meth = make_method(method, model.n_modes, config)
@@ -76,7 +77,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     problem = make_problem(args.problem)
     result: dict = {"problem": args.problem, "threads": args.threads,
-                    "device": str(select_device("auto"))}
+                    "device": str(pick_device())}
 
     if not args.skip_steps:
         rows = {}

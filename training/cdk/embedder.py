@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from training.device import pick_device
+
 from .backbones import Backbone, bare_backbone
 from .checkpoint import load_checkpoint
 from .images import images_to_tensor
@@ -44,9 +46,7 @@ class Embedder:
     """
 
     def __init__(self, ckpt: dict, sha256: str, device=None):
-        self.device = torch.device(
-            device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-        )
+        self.device = pick_device(device)
         meta = ckpt["backbone"]
         self.backbone: str = meta["name"]
         self.image_size: int = int(meta["image_size"])

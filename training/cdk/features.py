@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from training.atomic import atomic_save
+from training.device import pick_device
 
 from .backbones import Backbone, weights_fingerprint
 from .images import images_to_tensor, load_image
@@ -63,7 +64,7 @@ def extract_features(
     read from / written to ``cache_dir`` (None disables the cache)."""
     files = [Path(f) for f in files]
     module = backbone.module if module is None else module
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = pick_device(device)
     if not files:
         return torch.zeros(0, backbone.feature_dim)
     path = None

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from training.device import pick_device
+
 from ..loss import cdk_loss, nesting_masks, singular_values
 from .backbones import Backbone
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -126,7 +128,7 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
     when torch.distributed is initialised (launch with torchrun)."""
     out = Path(out_dir)
     ckpt_path = out / "checkpoint.pt"
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = pick_device(device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     B = min(cfg.batch_size, len(data.sketch_labels))

@@ -15,24 +15,19 @@ import torch
 from tqdm import tqdm
 
 from training.atomic import atomic_save
+from training.device import pick_device
 from training.pde.config import Config
 from training.pde.laplacian import negative_hamiltonian
 from training.pde.methods import make_method
 from training.pde.networks import DisjointMLPs
 from training.pde.problems import Problem, make_problem
 
-__all__ = ["select_device", "build_model", "train", "load_checkpoint", "CHECKPOINT"]
+__all__ = ["build_model", "train", "load_checkpoint", "CHECKPOINT"]
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoint.pt"
 # settings that may differ between a run and its resumption
 _RESUMABLE = {"resume", "threads", "device", "out", "checkpoint_every", "eval_points"}
-
-
-def select_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def build_model(config: Config, problem: Problem) -> DisjointMLPs:
@@ -73,7 +68,7 @@ def train(config: Config, progress: bool = True) -> tuple[DisjointMLPs, dict]:
     Writes OUT/checkpoint.pt every checkpoint_every steps and at the end."""
     torch.set_num_threads(config.threads)
     problem = make_problem(config.problem, config.ndim)
-    device = select_device(config.device)
+    device = pick_device(config.device)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt_path = out / CHECKPOINT
