@@ -25,3 +25,19 @@ def test_failed_write_keeps_the_old_file_and_no_temp(tmp_path):
         atomic_save(Boom(), path)
     assert path.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]
+
+
+def test_savefig_writes_a_png_and_closes_the_figure(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from training.atomic import atomic_savefig
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    path = atomic_savefig(fig, tmp_path / "curve.png", dpi=50)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not plt.fignum_exists(fig.number)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png"]

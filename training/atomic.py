@@ -37,3 +37,15 @@ def atomic_save(obj, path: str | Path) -> Path:
 def atomic_write_text(text: str, path: str | Path) -> Path:
     """Write ``text`` to ``path`` atomically."""
     return _atomic(path, "w", lambda fh: fh.write(text))
+
+
+def atomic_savefig(fig, path: str | Path, dpi: int = 120) -> Path:
+    """Save a matplotlib figure atomically (format from the suffix, PNG by default), then
+    close it so long runs do not accumulate open figures."""
+    import matplotlib.pyplot as plt  # here, so checkpoint writers never load matplotlib
+
+    fmt = Path(path).suffix.lstrip(".") or "png"
+    try:
+        return _atomic(path, "wb", lambda fh: fig.savefig(fh, format=fmt, dpi=dpi))
+    finally:
+        plt.close(fig)

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from training.atomic import atomic_savefig
+
 __all__ = ["retrieval_metrics", "structure_curves", "orthogonality", "power_of_two_dims",
            "plot_structure", "plot_spectrum", "plot_gallery", "cosine_scores_metrics"]
 
@@ -110,9 +112,7 @@ def plot_structure(curves: dict[str, dict], path: str | Path, metric: str = "map
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return atomic_savefig(fig, path, dpi=120)
 
 
 def plot_spectrum(sv, path: str | Path) -> Path:
@@ -125,9 +125,7 @@ def plot_spectrum(sv, path: str | Path) -> Path:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return atomic_savefig(fig, path, dpi=120)
 
 
 def plot_gallery(f, g, q_labels, g_labels, q_files, g_files, path, n_queries=6, topk=8,
@@ -158,6 +156,4 @@ def plot_gallery(f, g, q_labels, g_labels, q_files, g_files, path, n_queries=6, 
         ax.set_xticks([])
         ax.set_yticks([])
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
+    return atomic_savefig(fig, path, dpi=100)

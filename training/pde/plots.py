@@ -4,13 +4,14 @@ and the relative eigenvalue error per mode for one or several methods."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+
+from training.atomic import atomic_savefig  # noqa: E402
 
 __all__ = ["eigenfunctions", "orthogonality", "errors_per_mode"]
 
@@ -37,7 +38,7 @@ def eigenfunctions(learned, truth, half_width: float, path, title: str = "") -> 
             ax.set_title(f"{label} {i}", fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    _save(fig, path)
+    atomic_savefig(fig, path, dpi=110)
 
 
 def orthogonality(gram, path, title: str = "") -> None:
@@ -47,7 +48,7 @@ def orthogonality(gram, path, title: str = "") -> None:
     fig.colorbar(im, ax=ax)
     ax.set_title(title or "<psi_i, psi_j>", fontsize=9)
     fig.tight_layout()
-    _save(fig, path)
+    atomic_savefig(fig, path, dpi=110)
 
 
 def errors_per_mode(errors: dict, path, title: str = "") -> None:
@@ -64,12 +65,4 @@ def errors_per_mode(errors: dict, path, title: str = "") -> None:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    _save(fig, path)
-
-
-def _save(fig, path) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    atomic_savefig(fig, path, dpi=110)
