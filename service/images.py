@@ -6,6 +6,8 @@ import io
 
 from PIL import Image, ImageFile, UnidentifiedImageError
 
+from training.cdk.images import to_rgb
+
 # A truncated file must be an error, never a silently half-grey sketch.
 ImageFile.LOAD_TRUNCATED_IMAGES = False
 
@@ -62,8 +64,4 @@ def decode_image(data: bytes, name: str, max_pixels: int) -> Image.Image:
     except (OSError, SyntaxError, ValueError) as err:
         msg = f"{name!r} is a damaged or truncated {img.format}: {err}"
         raise TruncatedImageError(msg) from err
-    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
-        rgba = img.convert("RGBA")
-        canvas = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(canvas, rgba).convert("RGB")
-    return img.convert("RGB")
+    return to_rgb(img)

@@ -16,9 +16,9 @@ class DataError(ValueError):
 
 
 def to_rgb(im: Image.Image) -> Image.Image:
-    """RGB view of any PIL image; transparent pixels (RGBA / LA / palette sketches) become
+    """RGB view of any PIL image; transparent pixels (RGBA / LA / PA / palette sketches) become
     white, the paper of a sketch, rather than black."""
-    if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
+    if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
         im = im.convert("RGBA")
         bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
         return Image.alpha_composite(bg, im).convert("RGB")
