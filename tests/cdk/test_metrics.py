@@ -5,6 +5,7 @@ import torch
 from training.cdk.evaluate import (
     cosine_scores_metrics,
     orthogonality,
+    pca_cosine_curves,
     power_of_two_dims,
     retrieval_metrics,
     structure_curves,
@@ -72,6 +73,26 @@ def test_cosine_baseline_and_errors():
     assert m["precision_at_k"] == 1.0
     with pytest.raises(ValueError, match="no photo"):
         retrieval_metrics(x, y, [0, 5], [0, 1, 1], k=1)
+
+
+def test_pca_baseline_against_covariance_eigenvectors():
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.tensor([5.0, 3.0, 2.0, 1.0, 0.5, 0.2])  # distinct variances: unique axes
+    tx, ty = torch.randn(40, 6, generator=gen) * scale, torch.randn(30, 6, generator=gen) * scale
+    x, y = torch.randn(12, 6, generator=gen), torch.randn(15, 6, generator=gen)
+    ql, gl = [i % 3 for i in range(12)], [i % 3 for i in range(15)]
+    curves = pca_cosine_curves(tx, ty, x, y, ql, gl, 4, [1, 2, 4, 6, 8])
+    assert sorted(curves) == [1, 2, 4, 6]  # no more axes than feature dimensions
+    pool = torch.cat([tx, ty]).double()
+    mean = pool.mean(0)
+    evals, evecs = torch.linalg.eigh(torch.cov(pool.T))  # ascending; sign is irrelevant
+    for d in (1, 2, 4):
+        axes = evecs[:, -d:]
+        ref = cosine_scores_metrics((x - mean) @ axes, (y - mean) @ axes, ql, gl, 4)
+        assert curves[d]["map_all"] == pytest.approx(ref["map_all"], abs=1e-12)
+    # All axes: a rotation of the centred features, which cosine does not see.
+    full = cosine_scores_metrics(x.double() - mean, y.double() - mean, ql, gl, 4)
+    assert curves[6]["map_all"] == pytest.approx(full["map_all"], abs=1e-12)
 
 
 def test_power_of_two_dims():

@@ -94,9 +94,11 @@ def _discrete_cdk_problem(n=200):
     return TrainData(eye[xs], eye[ys], xl, yl), exact[1:]
 
 
-def test_joint_nesting_recovers_exact_cdk_spectrum(tmp_path):
+@pytest.mark.parametrize("weights", ["uniform", "harmonic"])
+def test_joint_nesting_recovers_exact_cdk_spectrum(tmp_path, weights):
     data, exact = _discrete_cdk_problem()
-    cfg = _cfg(tmp_path, L=2, hidden=32, batch_size=200, epochs=100, grad_clip=0.0)
+    cfg = _cfg(tmp_path, L=2, hidden=32, batch_size=200, epochs=100, grad_clip=0.0,
+               nesting_weights=weights)
     sv = train_mod.train(cfg, data, synthetic_backbone(4), tmp_path).singular_values
     np.testing.assert_allclose(sv.numpy(), exact[:2], atol=0.01)
     assert exact[0] - exact[1] > 0.1  # distinct modes, so the order is informative
@@ -114,6 +116,10 @@ def test_cli_parsing_rules(tmp_path, monkeypatch):
                 ["--data", "d", "--preset", "gpu"], ["--data", "d", "--epochs", "two"],
                 ["--data", "d", "--backbone", "resnet"], ["--split", "sketchy2"],
                 ["--data", "d", "--L", "0"], ["--data", "nodir"],
-                ["--data", "d", "--split", "sketchy3"]):
+                ["--data", "d", "--split", "sketchy3"],
+                ["--data", "d", "--nesting_weights", "linear"],
+                ["--data", "d", "--method", "lora", "--nesting_weights", "harmonic"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+    assert parse_args(["--data", "d", "--nesting_weights", "harmonic"]).nesting_weights == \
+        "harmonic"

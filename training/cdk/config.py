@@ -9,12 +9,18 @@ import dataclasses
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-__all__ = ["Config", "PRESETS", "METHODS", "NESTING_OF", "make_config", "parse_args"]
+__all__ = ["Config", "PRESETS", "METHODS", "NESTING_OF", "NESTING_WEIGHTS", "nesting_weights",
+           "make_config", "parse_args"]
 
 # CLI method name -> nesting of training.loss.nesting_masks
 NESTING_OF = {"neuralsvd-jnt": "joint", "neuralsvd-seq": "sequential", "lora": "none"}
 METHODS = tuple(NESTING_OF)
 PAIRINGS = ("class", "instance")
+# Joint-nesting weights w_l over the prefixes l = 1..L (training.loss.nesting_masks).
+# uniform: the paper's 1/L. harmonic: w_l proportional to 1/l, which puts more of the
+# objective on the first prefixes (the gap m_1 - m_2 that orders mode 1 before mode 2 is
+# 1/H_L ~ 1/6 instead of 1/L); any positive weights share the same global minimiser.
+NESTING_WEIGHTS = ("uniform", "harmonic")
 # Fields that do not change what is trained: a run may be resumed with other values.
 RUNTIME_FIELDS = ("out", "threads", "cache_dir", "k", "gallery_queries", "gallery_topk")
 
@@ -34,6 +40,7 @@ class Config:
     cache_dir: str = ".cache/cdk-features"
     # model
     method: str = "neuralsvd-jnt"
+    nesting_weights: str = "uniform"  # neuralsvd-jnt only: uniform | harmonic
     L: int = 512
     hidden: int = 8192
     mu: float = 16.0
@@ -69,11 +76,26 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def nesting_weights(cfg: Config):
+    """The w_l of joint nesting for ``cfg`` (None: nesting_masks' uniform default)."""
+    if cfg.nesting_weights == "harmonic":
+        import torch  # local: keep config import light
+
+        return 1.0 / torch.arange(1, cfg.L + 1, dtype=torch.float64)
+    return None
+
+
 def _check(cfg: Config) -> Config:
     if cfg.preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {cfg.preset!r}")
     if cfg.method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {cfg.method!r}")
+    if cfg.nesting_weights not in NESTING_WEIGHTS:
+        raise ValueError(f"nesting_weights must be one of {NESTING_WEIGHTS}, "
+                         f"got {cfg.nesting_weights!r}")
+    if cfg.nesting_weights != "uniform" and cfg.method != "neuralsvd-jnt":
+        raise ValueError(f"nesting_weights={cfg.nesting_weights!r} applies to neuralsvd-jnt "
+                         f"only, not {cfg.method!r}")
     if cfg.pairing not in PAIRINGS:
         raise ValueError(f"pairing must be one of {PAIRINGS}, got {cfg.pairing!r}")
     from .backbones import BACKBONES  # local: keep config import light
@@ -118,7 +140,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
         description="Structured sketch/photo embeddings by NestedLoRA on the CDK.",
     )
     types = {"int": int, "float": float, "str": str, "bool": _parse_bool}
-    choices = {"preset": sorted(PRESETS), "method": list(METHODS), "pairing": list(PAIRINGS)}
+    choices = {"preset": sorted(PRESETS), "method": list(METHODS), "pairing": list(PAIRINGS),
+               "nesting_weights": list(NESTING_WEIGHTS)}
     for f in fields(Config):
         p.add_argument(
             f"--{f.name}",

@@ -20,6 +20,7 @@ from .data import scan
 from .evaluate import (
     cosine_scores_metrics,
     orthogonality,
+    pca_cosine_curves,
     plot_gallery,
     plot_spectrum,
     plot_structure,
@@ -114,6 +115,8 @@ def run(cfg: Config) -> dict:
     else:
         te_s0, te_p0 = te_s, te_p
     raw = cosine_scores_metrics(te_s0, te_p0, te.sketch_labels, te.photo_labels, cfg.k)
+    raw_pca = pca_cosine_curves(tr_s, tr_p, te_s0, te_p0, te.sketch_labels, te.photo_labels,
+                                cfg.k, list(curves["most"]))
     metrics = {
         **full,
         "map_by_dims": {str(d): m["map_all"] for d, m in curves["most"].items()},
@@ -125,6 +128,8 @@ def run(cfg: Config) -> dict:
         "orthogonality_test": {"sketch": orthogonality(f), "photo": orthogonality(g)},
         "orthogonality_train": _train_orthogonality(res, tr_s, tr_p, dev),
         "raw_backbone_cosine": raw,
+        # the same raw features cut to their top-d principal axes (fit on training classes)
+        "raw_backbone_pca_map_by_dims": {str(d): m["map_all"] for d, m in raw_pca.items()},
         "method": cfg.method, "backbone": cfg.backbone, "preset": cfg.preset,
         "seed": cfg.seed,
         "split": {"name": cfg.split, "train_classes": len(split["train"]),
@@ -136,7 +141,9 @@ def run(cfg: Config) -> dict:
     }
     atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")
     plot_structure({f"{cfg.method} (d most significant)": curves["most"],
-                    f"{cfg.method} (d least significant)": curves["least"]},
+                    f"{cfg.method} (d least significant)": curves["least"],
+                    "raw features, top-d principal axes, cosine": raw_pca,
+                    "raw features, all dims, cosine": {d: raw for d in curves["most"]}},
                    out / "structure.png")
     plot_spectrum(res.singular_values, out / "spectrum.png")
     plot_gallery(f.numpy(), g.numpy(), te.sketch_labels, te.photo_labels, te.sketches,

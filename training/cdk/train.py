@@ -27,7 +27,7 @@ from training.device import pick_device
 from ..loss import cdk_loss, nesting_masks, singular_values
 from .backbones import Backbone
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import NESTING_OF, RUNTIME_FIELDS, Config, to_dict
+from .config import NESTING_OF, RUNTIME_FIELDS, Config, nesting_weights, to_dict
 from .data import PairSampler
 from .images import images_to_tensor, load_image
 from .model import MODALITIES, Head
@@ -156,7 +156,8 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
     opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(steps * cfg.epochs))
-    m_vec, m_mat = nesting_masks(cfg.L, NESTING_OF[cfg.method], constant_mode=True)
+    m_vec, m_mat = nesting_masks(cfg.L, NESTING_OF[cfg.method], nesting_weights(cfg),
+                                 constant_mode=True)
 
     start, history, sv = 0, [], None
     if ckpt_path.is_file():
