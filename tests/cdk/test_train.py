@@ -123,3 +123,7 @@ def test_cli_parsing_rules(tmp_path, monkeypatch):
             parse_args(bad)
     assert parse_args(["--data", "d", "--nesting_weights", "harmonic"]).nesting_weights == \
         "harmonic"
+    # The cpu preset's lr for sequential nesting, unless the user sets one.
+    assert parse_args(["--data", "d", "--method", "neuralsvd-seq"]).lr == 0.005
+    assert parse_args(["--data", "d", "--method", "neuralsvd-seq", "--lr", "0.1"]).lr == 0.1
+    assert parse_args(["--data", "d", "--method", "lora"]).lr == 0.05
