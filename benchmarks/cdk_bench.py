@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from training.cdk.checkpoint import atomic_write_text
-from training.cdk.config import NESTING_WEIGHTS, PRESETS, make_config
+from training.cdk.config import PRESETS, make_config
 from training.cdk.evaluate import plot_structure
 from training.cdk.run import run
 
@@ -37,6 +37,20 @@ def _ms(values) -> str:
     return f"{v.mean():.4f}" if len(v) == 1 else f"{v.mean():.4f} ± {v.std(ddof=1):.4f}"
 
 
+def _variants(preset: str) -> dict[str, dict]:
+    """Row name -> config overrides: the three methods at the preset's settings, plus
+    neuralsvd-jnt with the paper's uniform weights when the preset uses other weights."""
+    out = {m: {"method": m} for m in METHODS}
+    if make_config(preset, method="neuralsvd-jnt").nesting_weights != "uniform":
+        out["neuralsvd-jnt, uniform weights"] = {"method": "neuralsvd-jnt",
+                                                 "nesting_weights": "uniform"}
+    return out
+
+
+def _row(cells) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True)
@@ -45,88 +59,90 @@ def main(argv=None) -> int:
     p.add_argument("--split", default="sketchy2")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--nesting-weights", default="uniform", choices=NESTING_WEIGHTS,
-                   help="joint-nesting weights of neuralsvd-jnt")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     out = Path(a.out)
 
-    res: dict[str, list[dict]] = {m: [] for m in METHODS}
+    variants = _variants(a.preset)
+    res: dict[str, list[dict]] = {v: [] for v in variants}
     for seed in a.seeds:
-        for method in METHODS:
-            run_dir = out / f"{method}-seed{seed}"
+        for name, over in variants.items():
+            run_dir = out / f"{name.replace(', ', '-').replace(' ', '-')}-seed{seed}"
             shutil.rmtree(run_dir, ignore_errors=True)  # time a fresh run, never a resume
-            extra = {"nesting_weights": a.nesting_weights} if method == "neuralsvd-jnt" else {}
-            cfg = make_config(a.preset, data=a.data, split=a.split, method=method,
-                              seed=seed, out=str(run_dir), threads=a.threads, **extra)
+            cfg = make_config(a.preset, data=a.data, split=a.split, seed=seed,
+                              out=str(run_dir), threads=a.threads, **over)
             t0 = time.perf_counter()
             m = run(cfg)
             m["wall_seconds"] = time.perf_counter() - t0
-            res[method].append(m)
+            res[name].append(m)
     jnt = res["neuralsvd-jnt"]
     raw = jnt[0]["raw_backbone_cosine"]  # deterministic: same features for every run
     k, dims = raw["k"], sorted(int(d) for d in jnt[0]["map_by_dims"])
 
-    def by_d(method, key="map_by_dims"):
-        return {d: float(np.mean([r[key][str(d)] for r in res[method]])) for d in dims}
+    def by_d(name, key="map_by_dims"):
+        return {d: float(np.mean([r[key][str(d)] for r in res[name]])) for d in dims}
 
-    full = {m: float(np.mean([r["map_all"] for r in res[m]])) for m in METHODS}
-    lrs = ", ".join(f"{m} {res[m][0]['config']['lr']}" for m in METHODS)
-    rows = [f"split {a.split}, seeds {a.seeds}, preset {a.preset}, lr {lrs}, neuralsvd-jnt "
-            f"weights {a.nesting_weights}", "",
-            f"| method | mAP@all | P@{k} |", "|---|---|---|",
-            f"| (a) raw {jnt[0]['backbone']} features, cosine | {raw['map_all']:.4f} | "
-            f"{raw['precision_at_k']:.4f} |"]
-    for tag, m in zip("bcd", METHODS, strict=True):
-        rows.append(f"| ({tag}) {m} | {_ms([r['map_all'] for r in res[m]])} | "
-                    f"{_ms([r['precision_at_k'] for r in res[m]])} |")
-    rows += ["", "| mAP@all, d most significant modes | " + " | ".join(map(str, dims)) + " |",
-             "|---" * (len(dims) + 1) + "|"]
+    def settings(name):
+        c = res[name][0]["config"]
+        return f"lr {c['lr']}" + (f", {c['nesting_weights']} weights"
+                                  if c["method"] == "neuralsvd-jnt" else "")
+
+    full = {v: float(np.mean([r["map_all"] for r in res[v]])) for v in variants}
+    rows = [f"split {a.split}, seeds {a.seeds}, preset {a.preset}", "",
+            f"| method | settings | mAP@all | P@{k} |", "|---|---|---|---|",
+            f"| (a) raw {jnt[0]['backbone']} features, cosine | all dimensions | "
+            f"{raw['map_all']:.4f} | {raw['precision_at_k']:.4f} |"]
+    for tag, v in zip("bcdd", variants, strict=False):
+        rows.append(_row([f"({tag}) {v}", settings(v), _ms([r["map_all"] for r in res[v]]),
+                          _ms([r["precision_at_k"] for r in res[v]])]))
     pca = {d: float(jnt[0]["raw_backbone_pca_map_by_dims"][str(d)]) for d in dims}
-    rows.append("| (a) raw features, top-d principal axes, cosine | " +
-                " | ".join(f"{v:.3f}" for v in pca.values()) + " |")
-    for m in METHODS:
-        rows.append(f"| {m} | " + " | ".join(f"{v:.3f}" for v in by_d(m).values()) + " |")
-    rows.append("| neuralsvd-jnt, d least significant | " + " | ".join(
-        f"{v:.3f}" for v in by_d("neuralsvd-jnt", "map_by_dims_least").values()) + " |")
+    rows += ["", _row(["mAP@all, d most significant modes", *map(str, dims)]),
+             "|---" * (len(dims) + 1) + "|",
+             _row(["(a) raw features, top-d principal axes, cosine",
+                   *(f"{v:.3f}" for v in pca.values())])]
+    for v in variants:
+        rows.append(_row([v, *(f"{x:.3f}" for x in by_d(v).values())]))
+    rows.append(_row(["neuralsvd-jnt, d least significant",
+                      *(f"{x:.3f}" for x in by_d("neuralsvd-jnt", "map_by_dims_least").values())]))
     frac = {d: by_d("neuralsvd-jnt")[d] / full["neuralsvd-jnt"] for d in FRACTION_DIMS
             if d in dims}
-    rows += ["", "| (d) fraction of full-dimension mAP kept at d | " +
-             " | ".join(map(str, frac)) + " |", "|---" * (len(frac) + 1) + "|",
-             "| neuralsvd-jnt | " + " | ".join(f"{v:.3f}" for v in frac.values()) + " |"]
+    rows += ["", _row(["(d) fraction of full-dimension mAP kept at d", *map(str, frac)]),
+             "|---" * (len(frac) + 1) + "|",
+             _row(["neuralsvd-jnt", *(f"{x:.3f}" for x in frac.values())])]
     mj, ml = by_d("neuralsvd-jnt"), by_d("lora")
     beats = {d: {"raw_full_dim": mj[d] > raw["map_all"], "raw_pca_same_d": mj[d] > pca[d],
                  "lora_same_d": mj[d] > ml[d]} for d in dims if d <= 128}
-    rows += ["", f"neuralsvd-jnt with d modes beats (a) raw cosine on all "
-             f"{jnt[0]['backbone']} dimensions: " + ", ".join(
-                 f"d={d}: {'yes' if b['raw_full_dim'] else 'no'}" for d, b in beats.items()),
-             "neuralsvd-jnt with d modes beats (a) raw features on their top-d principal axes: "
-             + ", ".join(f"d={d}: {'yes' if b['raw_pca_same_d'] else 'no'}"
-                         for d, b in beats.items()),
-             "neuralsvd-jnt with d modes beats (b) lora with d modes: " + ", ".join(
-                 f"d={d}: {'yes' if b['lora_same_d'] else 'no'}" for d, b in beats.items())]
-    timing = {m: {"wall_seconds": [r["wall_seconds"] for r in res[m]],
-                  "train_seconds": [r["train_seconds"] for r in res[m]]} for m in METHODS}
+    said = {"raw_full_dim": f"(a) raw cosine on all {jnt[0]['backbone']} dimensions",
+            "raw_pca_same_d": "(a) raw features on their top-d principal axes",
+            "lora_same_d": "(b) lora with d modes"}
+    rows.append("")
+    for key, text in said.items():
+        rows.append(f"neuralsvd-jnt with d modes beats {text}: " + ", ".join(
+            f"d={d}: {'yes' if b[key] else 'no'}" for d, b in beats.items()))
+    spectra = {v: np.mean([r["singular_values"][:8] for r in res[v]], axis=0) for v in variants
+               if res[v][0]["config"]["method"] == "neuralsvd-jnt"}
+    rows += ["", "leading singular values (mean over seeds): " + "; ".join(
+        f"{v}: " + " ".join(f"{x:.3f}" for x in sv) for v, sv in spectra.items())]
+    timing = {v: {"wall_seconds": [r["wall_seconds"] for r in res[v]],
+                  "train_seconds": [r["train_seconds"] for r in res[v]]} for v in variants}
     rows += ["", "wall time per run of the preset, s (training part in brackets): " + "; ".join(
-        f"{m} " + ", ".join(f"{w:.0f} ({t:.0f})" for w, t in
-                            zip(v["wall_seconds"], v["train_seconds"], strict=True))
-        for m, v in timing.items())]
+        f"{v} " + ", ".join(f"{w:.0f} ({t:.0f})" for w, t in
+                            zip(x["wall_seconds"], x["train_seconds"], strict=True))
+        for v, x in timing.items())]
     table = "\n".join(rows)
     print(table)
-    curves = {m: {d: {"map_all": v} for d, v in by_d(m).items()} for m in METHODS}
+    curves = {v: {d: {"map_all": x} for d, x in by_d(v).items()} for v in variants}
     curves["neuralsvd-jnt (d least significant)"] = {
-        d: {"map_all": v} for d, v in by_d("neuralsvd-jnt", "map_by_dims_least").items()}
+        d: {"map_all": x} for d, x in by_d("neuralsvd-jnt", "map_by_dims_least").items()}
     curves["raw cosine (all dims)"] = {d: {"map_all": raw["map_all"]} for d in dims}
-    curves["raw cosine (top-d principal axes)"] = {d: {"map_all": v} for d, v in pca.items()}
+    curves["raw cosine (top-d principal axes)"] = {d: {"map_all": x} for d, x in pca.items()}
     plot_structure(curves, out / "structure.png")
     atomic_write_text(table + "\n", out / "table.md")
     atomic_write_text(json.dumps({
-        "seeds": a.seeds, "nesting_weights": a.nesting_weights,
-        "raw_backbone_cosine": raw, "raw_backbone_pca_map_by_dims": pca,
-        "fraction_of_full_map": frac,
-        "beats": beats, "timing": timing,
-        "results": {m: [{k2: v for k2, v in r.items() if k2 != "history"} for r in rs]
-                    for m, rs in res.items()}}, indent=2), out / "bench.json")
+        "seeds": a.seeds, "raw_backbone_cosine": raw, "raw_backbone_pca_map_by_dims": pca,
+        "fraction_of_full_map": frac, "beats": beats, "timing": timing,
+        "results": {v: [{k2: x for k2, x in r.items() if k2 != "history"} for r in rs]
+                    for v, rs in res.items()}}, indent=2), out / "bench.json")
     return 0
 
 

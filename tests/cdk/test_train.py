@@ -127,3 +127,6 @@ def test_cli_parsing_rules(tmp_path, monkeypatch):
     assert parse_args(["--data", "d", "--method", "neuralsvd-seq"]).lr == 0.005
     assert parse_args(["--data", "d", "--method", "neuralsvd-seq", "--lr", "0.1"]).lr == 0.1
     assert parse_args(["--data", "d", "--method", "lora"]).lr == 0.05
+    # Joint nesting: harmonic weights in the cpu preset, the paper's uniform ones in paper.
+    assert parse_args(["--data", "d"]).nesting_weights == "harmonic"
+    assert parse_args(["--data", "d", "--preset", "paper"]).nesting_weights == "uniform"
