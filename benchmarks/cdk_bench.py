@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.cdk.checkpoint import atomic_write_text
+from training.atomic import atomic_write_text
 from training.cdk.config import PRESETS, make_config
 from training.cdk.evaluate import plot_structure
 from training.cdk.run import run
