@@ -61,7 +61,8 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
         assert key in m
     assert m["k"] == 2 and sorted(m["map_by_dims"], key=int) == ["1", "2", "4"]
     assert len(m["singular_values"]) == 4 and m["map_by_dims"]["4"] == m["map_all"]
-    assert sorted(m["raw_backbone_pca_map_by_dims"], key=int) == ["1", "2", "4"]
+    for key in ("raw_backbone_pca_map_by_dims", "raw_backbone_pca_inner_map_by_dims"):
+        assert sorted(m[key], key=int) == ["1", "2", "4"]
     for png in ("structure.png", "spectrum.png", "gallery.png"):
         assert (out / png).stat().st_size > 1000
 

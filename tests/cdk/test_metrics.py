@@ -5,7 +5,7 @@ import torch
 from training.cdk.evaluate import (
     cosine_scores_metrics,
     orthogonality,
-    pca_cosine_curves,
+    pca_curves,
     power_of_two_dims,
     retrieval_metrics,
     structure_curves,
@@ -81,7 +81,7 @@ def test_pca_baseline_against_covariance_eigenvectors():
     tx, ty = torch.randn(40, 6, generator=gen) * scale, torch.randn(30, 6, generator=gen) * scale
     x, y = torch.randn(12, 6, generator=gen), torch.randn(15, 6, generator=gen)
     ql, gl = [i % 3 for i in range(12)], [i % 3 for i in range(15)]
-    curves = pca_cosine_curves(tx, ty, x, y, ql, gl, 4, [1, 2, 4, 6, 8])
+    curves = pca_curves(tx, ty, x, y, ql, gl, 4, [1, 2, 4, 6, 8])
     assert sorted(curves) == [1, 2, 4, 6]  # no more axes than feature dimensions
     pool = torch.cat([tx, ty]).double()
     mean = pool.mean(0)
@@ -93,6 +93,12 @@ def test_pca_baseline_against_covariance_eigenvectors():
     # All axes: a rotation of the centred features, which cosine does not see.
     full = cosine_scores_metrics(x.double() - mean, y.double() - mean, ql, gl, 4)
     assert curves[6]["map_all"] == pytest.approx(full["map_all"], abs=1e-12)
+    # Inner-product scoring: all axes give the centred features' own inner products.
+    inner = pca_curves(tx, ty, x, y, ql, gl, 4, [2, 6], cosine=False)
+    ref = retrieval_metrics((x - mean) @ evecs[:, -2:], (y - mean) @ evecs[:, -2:], ql, gl, 4)
+    assert inner[2]["map_all"] == pytest.approx(ref["map_all"], abs=1e-12)
+    full = retrieval_metrics(x.double() - mean, y.double() - mean, ql, gl, 4)
+    assert inner[6]["map_all"] == pytest.approx(full["map_all"], abs=1e-12)
 
 
 def test_power_of_two_dims():

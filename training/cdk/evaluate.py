@@ -16,7 +16,7 @@ from training.atomic import atomic_savefig
 
 __all__ = ["retrieval_metrics", "structure_curves", "orthogonality", "power_of_two_dims",
            "plot_structure", "plot_spectrum", "plot_gallery", "cosine_scores_metrics",
-           "pca_cosine_curves"]
+           "pca_curves"]
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +58,20 @@ def cosine_scores_metrics(x, y, q_labels, g_labels, k: int) -> dict:
     return retrieval_metrics(x, y, q_labels, g_labels, k)
 
 
-def pca_cosine_curves(train_x, train_y, x, y, q_labels, g_labels, k: int, dims) -> dict:
-    """Raw-feature baseline at d dimensions: {d: metrics} of cosine retrieval after
-    projecting onto the top-d principal axes of the pooled training features
-    (train_x: (Ns, D) sketches, train_y: (Np, D) photos; x, y: test features).
+def pca_curves(train_x, train_y, x, y, q_labels, g_labels, k: int, dims,
+               cosine: bool = True) -> dict:
+    """Raw-feature baseline at d dimensions: {d: metrics} of retrieval after projecting
+    the centred features onto the top-d principal axes of the pooled training features
+    (train_x: (Ns, D) sketches, train_y: (Np, D) photos; x, y: test features), scored by
+    cosine or, with ``cosine=False``, by inner product like the learned embeddings.
     The best d-dim linear summary of the raw features that needs no labels."""
     pool = torch.cat([torch.as_tensor(train_x), torch.as_tensor(train_y)]).double()
     mean = pool.mean(0)
     axes = torch.linalg.svd(pool - mean, full_matrices=False).Vh  # (min(N, D), D)
     zx = (torch.as_tensor(x).double() - mean) @ axes.T
     zy = (torch.as_tensor(y).double() - mean) @ axes.T
-    return {d: cosine_scores_metrics(zx[:, :d], zy[:, :d], q_labels, g_labels, k)
+    score = cosine_scores_metrics if cosine else retrieval_metrics
+    return {d: score(zx[:, :d], zy[:, :d], q_labels, g_labels, k)
             for d in dims if d <= axes.shape[0]}
 
 

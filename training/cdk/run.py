@@ -20,7 +20,7 @@ from .data import scan
 from .evaluate import (
     cosine_scores_metrics,
     orthogonality,
-    pca_cosine_curves,
+    pca_curves,
     plot_gallery,
     plot_spectrum,
     plot_structure,
@@ -115,8 +115,9 @@ def run(cfg: Config) -> dict:
     else:
         te_s0, te_p0 = te_s, te_p
     raw = cosine_scores_metrics(te_s0, te_p0, te.sketch_labels, te.photo_labels, cfg.k)
-    raw_pca = pca_cosine_curves(tr_s, tr_p, te_s0, te_p0, te.sketch_labels, te.photo_labels,
-                                cfg.k, list(curves["most"]))
+    pca_args = (tr_s, tr_p, te_s0, te_p0, te.sketch_labels, te.photo_labels, cfg.k,
+                list(curves["most"]))
+    raw_pca, raw_pca_inner = pca_curves(*pca_args), pca_curves(*pca_args, cosine=False)
     metrics = {
         **full,
         "map_by_dims": {str(d): m["map_all"] for d, m in curves["most"].items()},
@@ -130,6 +131,8 @@ def run(cfg: Config) -> dict:
         "raw_backbone_cosine": raw,
         # the same raw features cut to their top-d principal axes (fit on training classes)
         "raw_backbone_pca_map_by_dims": {str(d): m["map_all"] for d, m in raw_pca.items()},
+        "raw_backbone_pca_inner_map_by_dims": {str(d): m["map_all"]
+                                               for d, m in raw_pca_inner.items()},
         "method": cfg.method, "backbone": cfg.backbone, "preset": cfg.preset,
         "seed": cfg.seed,
         "split": {"name": cfg.split, "train_classes": len(split["train"]),
