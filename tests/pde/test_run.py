@@ -74,5 +74,6 @@ def test_presets_and_overrides():
     assert cpu.n_modes == 0 and cpu.fourier_scale == h.fourier_scale and cpu.lr == 1e-3
     assert paper.n_modes == 0  # the problem's L = 55
     osc = config_from_args(["oscillator", "--preset", "cpu"])
-    assert (osc.n_modes, osc.fourier_scale, osc.lr, osc.iterations) == (0, 0.15, 2e-3, 5_000)
+    assert (osc.n_modes, osc.fourier_scale, osc.lr) == (0, 0.15, 2e-3)
+    assert (osc.batch_size, osc.iterations) == (128, 9_000)
     assert config_from_args(["oscillator", "--preset", "cpu", "--n-modes", "28"]).n_modes == 28
