@@ -104,3 +104,15 @@ def test_oscillator_sampling_estimates_the_ground_state_norm_per_batch(ndim):
     batch = ratio.reshape(400, 256).mean(1)
     assert abs(ratio.mean().item() - 1) < 0.05
     assert batch.std().item() < 0.35
+
+
+def test_train_std_replaces_the_sampling_distribution():
+    p = make_problem("oscillator", 2, train_std=2.0)
+    assert p.train_std == 2.0 and make_problem("oscillator").train_std == 4.0
+    x = p.sample(20000, torch.Generator().manual_seed(0), "cpu", torch.float64)
+    assert abs(x.std().item() / 2.0 - 1) < 0.02
+    ref = torch.distributions.MultivariateNormal(torch.zeros(2), 4.0 * torch.eye(2))
+    torch.testing.assert_close(p.log_weight(x[:50]), ref.log_prob(x[:50].float()).double(),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="train_std must be positive, got -1"):
+        make_problem("oscillator", 2, train_std=-1.0)

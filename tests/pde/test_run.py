@@ -40,8 +40,9 @@ def test_oscillator_in_3d_and_2d_with_the_exact_laplacian(tmp_path):
     assert m["ndim"] == 3 and len(m["eigenvalues"]) == 20 and len(m["rel_errors"]) == 10
     assert len(m["eigenvalues_norm"]) == 20
     run(["oscillator", "--laplacian", "exact", "--iterations", "2", "--out",
-         str(tmp_path / "d2"), *TINY[2:]])
+         str(tmp_path / "d2"), "--train-std", "3", *TINY[2:]])
     m = json.loads((tmp_path / "d2" / "metrics.json").read_text())
+    assert m["config"]["train_std"] == 3.0
     assert len(m["eigenvalues"]) == 55 and len(m["rel_errors"]) == 28  # paper preset
 
 
@@ -75,5 +76,6 @@ def test_presets_and_overrides():
     assert paper.n_modes == 0  # the problem's L = 55
     osc = config_from_args(["oscillator", "--preset", "cpu"])
     assert (osc.n_modes, osc.fourier_scale, osc.lr) == (0, 0.15, 2e-3)
-    assert (osc.batch_size, osc.iterations) == (128, 9_000)
+    assert (osc.batch_size, osc.iterations, osc.train_std) == (128, 9_000, 2.0)
+    assert cpu.train_std == 0 and paper.train_std == 0  # the problem's: the paper's std
     assert config_from_args(["oscillator", "--preset", "cpu", "--n-modes", "28"]).n_modes == 28

@@ -12,6 +12,7 @@ Adding a problem: write a factory ``(ndim) -> Problem`` and register it in ``PRO
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable
@@ -229,8 +230,14 @@ PROBLEMS: dict[str, Callable[[int], Problem]] = {
 }
 
 
-def make_problem(name: str, ndim: int | None = None) -> Problem:
-    """Build a registered problem; ndim None means the problem's own (2)."""
+def make_problem(name: str, ndim: int | None = None, train_std: float | None = None) -> Problem:
+    """Build a registered problem; ndim None means the problem's own (2), train_std None
+    its own sampling distribution (a positive value replaces the std of p_train)."""
     if name not in PROBLEMS:
         raise ValueError(f"unknown problem {name!r}; choose from {sorted(PROBLEMS)}")
-    return PROBLEMS[name](2 if ndim is None else ndim)
+    problem = PROBLEMS[name](2 if ndim is None else ndim)
+    if train_std is None:
+        return problem
+    if not train_std > 0:
+        raise ValueError(f"train_std must be positive, got {train_std!r}")
+    return dataclasses.replace(problem, train_std=float(train_std))
