@@ -1,4 +1,7 @@
-"""The batched disjoint MLPs equal L separate networks evaluated one by one."""
+"""The batched disjoint MLPs equal L separate networks evaluated one by one; the Fourier
+frequencies have standard deviation 2 pi kappa."""
+
+import math
 
 import pytest
 import torch
@@ -40,6 +43,15 @@ def test_bad_inputs_are_errors():
         DisjointMLPs(3, 2, 4, -1.0, 8)
 
 
+def test_fourier_frequencies_have_std_two_pi_kappa():
+    # kappa is read as in the paper's published code: B = 2 pi kappa randn, so the
+    # standard deviation is 2 pi kappa (3.14 at kappa = 0.5), not sqrt(2 pi kappa) (1.77)
+    net = DisjointMLPs(8, 2, 1000, 0.5, 4, generator=torch.Generator().manual_seed(0))
+    assert net.freq.shape == (8, 2, 1000)
+    assert abs(net.freq.std().item() / (2 * math.pi * 0.5) - 1) < 0.03  # 16,000 draws
+    assert abs(net.freq.mean().item()) < 0.1
+
+
 def _feature_fit_residual(kappa: float) -> torch.Tensor:
     # relative L2(p_train) residual of the best fit of the oscillator's targets
     # f~ = psi / sqrt(w) (the ground state and level 1) by one mode's K = 64 features
@@ -65,3 +77,6 @@ def test_oscillator_cpu_features_resolve_the_targets():
     kappa = preset("cpu", make_problem("oscillator")).fourier_scale
     assert _feature_fit_residual(kappa).max() < 0.45
     assert _feature_fit_residual(1.0).min() > 0.7
+    # reading N(0, 2 pi kappa) as a variance instead (std sqrt(2 pi) ~ 2.5 at kappa = 1)
+    # would not rescue these features either
+    assert _feature_fit_residual(math.sqrt(2 * math.pi) / (2 * math.pi)).min() > 0.5

@@ -36,11 +36,13 @@ def test_oscillator_in_3d_and_2d_with_the_exact_laplacian(tmp_path):
     run(["oscillator", "--ndim", "3", "--out", str(tmp_path / "d3"), "--eval-points", "2048",
          *TINY])
     m = json.loads((tmp_path / "d3" / "metrics.json").read_text())
-    # the cpu preset learns the positive modes only (the paper preset: L covers level 0)
-    assert m["ndim"] == 3 and len(m["eigenvalues"]) == 10 and len(m["rel_errors"]) == 10
+    # L covers the zero level n = 3 (20 modes); the 10 positive ones are evaluated
+    assert m["ndim"] == 3 and len(m["eigenvalues"]) == 20 and len(m["rel_errors"]) == 10
+    assert len(m["eigenvalues_norm"]) == 20
     run(["oscillator", "--laplacian", "exact", "--iterations", "2", "--out",
-         str(tmp_path / "d2"), *TINY[2:]])
+         str(tmp_path / "d2"), "--train-std", "3", *TINY[2:]])
     m = json.loads((tmp_path / "d2" / "metrics.json").read_text())
+    assert m["config"]["train_std"] == 3.0
     assert len(m["eigenvalues"]) == 55 and len(m["rel_errors"]) == 28  # paper preset
 
 
@@ -70,8 +72,10 @@ def test_presets_and_overrides():
     assert (h.fourier_features, h.iterations, h.batch_size, h.seed) == (1024, 500_000, 512, 3)
     cpu = config_from_args(["hydrogen", "--preset", "cpu"])
     assert cpu.iterations < h.iterations and cpu.fourier_features < h.fourier_features
-    assert cpu.n_modes == 0 and cpu.fourier_scale == h.fourier_scale
+    assert cpu.n_modes == 0 and cpu.fourier_scale == h.fourier_scale and cpu.lr == 1e-3
     assert paper.n_modes == 0  # the problem's L = 55
     osc = config_from_args(["oscillator", "--preset", "cpu"])
-    assert (osc.n_modes, osc.fourier_scale, osc.iterations) == (28, 0.15, 5_000)
-    assert config_from_args(["oscillator", "--preset", "cpu", "--n-modes", "55"]).n_modes == 55
+    assert (osc.n_modes, osc.fourier_scale, osc.lr) == (0, 0.15, 2e-3)
+    assert (osc.batch_size, osc.iterations, osc.train_std) == (128, 9_000, 2.0)
+    assert cpu.train_std == 0 and paper.train_std == 0  # the problem's: the paper's std
+    assert config_from_args(["oscillator", "--preset", "cpu", "--n-modes", "28"]).n_modes == 28

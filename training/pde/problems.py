@@ -12,6 +12,7 @@ Adding a problem: write a factory ``(ndim) -> Problem`` and register it in ``PRO
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable
@@ -211,7 +212,9 @@ def oscillator(ndim: int = 2) -> Problem:
         potential=lambda x: (x**2).sum(-1),
         eigenvalues_true=tuple(shift - 2 * (sum(s) + ndim / 2) for s in positive),
         eigenfunctions=eigenfunctions,
-        train_std=4.0,
+        # the paper's N(0, 4^2 I) in 2D, N(0, 2^2 I) elsewhere: std 4 leaves too few
+        # samples where the states live (|x| < 1.5: 6.8% in 2D, 1.3% in 3D, 0.24% in 4D)
+        train_std=4.0 if ndim == 2 else 2.0,
         quadrature=quad,
         quadrature_name=quad_name,
         plot_half_width=5.0,
@@ -227,8 +230,14 @@ PROBLEMS: dict[str, Callable[[int], Problem]] = {
 }
 
 
-def make_problem(name: str, ndim: int | None = None) -> Problem:
-    """Build a registered problem; ndim None means the problem's own (2)."""
+def make_problem(name: str, ndim: int | None = None, train_std: float | None = None) -> Problem:
+    """Build a registered problem; ndim None means the problem's own (2), train_std None
+    its own sampling distribution (a positive value replaces the std of p_train)."""
     if name not in PROBLEMS:
         raise ValueError(f"unknown problem {name!r}; choose from {sorted(PROBLEMS)}")
-    return PROBLEMS[name](2 if ndim is None else ndim)
+    problem = PROBLEMS[name](2 if ndim is None else ndim)
+    if train_std is None:
+        return problem
+    if not train_std > 0:
+        raise ValueError(f"train_std must be positive, got {train_std!r}")
+    return dataclasses.replace(problem, train_std=float(train_std))

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 def run_config(config: Config, progress: bool = True) -> dict:
     """Train, evaluate the EMA model and write OUT/metrics.json plus PNGs; returns the
     metrics."""
-    problem = make_problem(config.problem, config.ndim)
+    problem = make_problem(config.problem, config.ndim, config.train_std or None)
     model, info = train(config, progress=progress)
     result = evaluate(model, problem, config.laplacian, config.fd_eps, config.eval_points)
     m = result["metrics"]
