@@ -141,6 +141,8 @@ def main(argv=None) -> int:
         d: {"map_all": x} for d, x in by_d("neuralsvd-jnt", "map_by_dims_least").items()}
     curves["raw cosine (all dims)"] = {d: {"map_all": raw["map_all"]} for d in dims}
     curves["raw cosine (top-d principal axes)"] = {d: {"map_all": x} for d, x in pca.items()}
+    curves["raw inner product (top-d principal axes)"] = {d: {"map_all": x}
+                                                          for d, x in pca_inner.items()}
     plot_structure(curves, out / "structure.png")
     atomic_write_text(table + "\n", out / "table.md")
     atomic_write_text(json.dumps({

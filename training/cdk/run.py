@@ -146,6 +146,7 @@ def run(cfg: Config) -> dict:
     plot_structure({f"{cfg.method} (d most significant)": curves["most"],
                     f"{cfg.method} (d least significant)": curves["least"],
                     "raw features, top-d principal axes, cosine": raw_pca,
+                    "raw features, top-d principal axes, inner product": raw_pca_inner,
                     "raw features, all dims, cosine": {d: raw for d in curves["most"]}},
                    out / "structure.png")
     plot_spectrum(res.singular_values, out / "spectrum.png")
