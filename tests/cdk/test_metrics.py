@@ -81,8 +81,9 @@ def test_pca_baseline_against_covariance_eigenvectors():
     tx, ty = torch.randn(40, 6, generator=gen) * scale, torch.randn(30, 6, generator=gen) * scale
     x, y = torch.randn(12, 6, generator=gen), torch.randn(15, 6, generator=gen)
     ql, gl = [i % 3 for i in range(12)], [i % 3 for i in range(15)]
-    curves = pca_curves(tx, ty, x, y, ql, gl, 4, [1, 2, 4, 6, 8])
-    assert sorted(curves) == [1, 2, 4, 6]  # no more axes than feature dimensions
+    both = pca_curves(tx, ty, x, y, ql, gl, 4, [1, 2, 4, 6, 8])
+    curves, inner = both["cosine"], both["inner"]
+    assert sorted(curves) == sorted(inner) == [1, 2, 4, 6]  # no more axes than feature dimensions
     pool = torch.cat([tx, ty]).double()
     mean = pool.mean(0)
     evals, evecs = torch.linalg.eigh(torch.cov(pool.T))  # ascending; sign is irrelevant
@@ -94,7 +95,6 @@ def test_pca_baseline_against_covariance_eigenvectors():
     full = cosine_scores_metrics(x.double() - mean, y.double() - mean, ql, gl, 4)
     assert curves[6]["map_all"] == pytest.approx(full["map_all"], abs=1e-12)
     # Inner-product scoring: all axes give the centred features' own inner products.
-    inner = pca_curves(tx, ty, x, y, ql, gl, 4, [2, 6], cosine=False)
     ref = retrieval_metrics((x - mean) @ evecs[:, -2:], (y - mean) @ evecs[:, -2:], ql, gl, 4)
     assert inner[2]["map_all"] == pytest.approx(ref["map_all"], abs=1e-12)
     full = retrieval_metrics(x.double() - mean, y.double() - mean, ql, gl, 4)

@@ -58,21 +58,21 @@ def cosine_scores_metrics(x, y, q_labels, g_labels, k: int) -> dict:
     return retrieval_metrics(x, y, q_labels, g_labels, k)
 
 
-def pca_curves(train_x, train_y, x, y, q_labels, g_labels, k: int, dims,
-               cosine: bool = True) -> dict:
-    """Raw-feature baseline at d dimensions: {d: metrics} of retrieval after projecting
-    the centred features onto the top-d principal axes of the pooled training features
-    (train_x: (Ns, D) sketches, train_y: (Np, D) photos; x, y: test features), scored by
-    cosine or, with ``cosine=False``, by inner product like the learned embeddings.
+def pca_curves(train_x, train_y, x, y, q_labels, g_labels, k: int, dims) -> dict:
+    """Raw-feature baseline at d dimensions: {"cosine": {d: metrics}, "inner": {d: metrics}}
+    of retrieval after projecting the centred features onto the top-d principal axes of the
+    pooled training features (train_x: (Ns, D) sketches, train_y: (Np, D) photos; x, y: test
+    features), scored by cosine and by inner product (like the learned embeddings).
     The best d-dim linear summary of the raw features that needs no labels."""
     pool = torch.cat([torch.as_tensor(train_x), torch.as_tensor(train_y)]).double()
     mean = pool.mean(0)
     axes = torch.linalg.svd(pool - mean, full_matrices=False).Vh  # (min(N, D), D)
     zx = (torch.as_tensor(x).double() - mean) @ axes.T
     zy = (torch.as_tensor(y).double() - mean) @ axes.T
-    score = cosine_scores_metrics if cosine else retrieval_metrics
-    return {d: score(zx[:, :d], zy[:, :d], q_labels, g_labels, k)
-            for d in dims if d <= axes.shape[0]}
+    return {name: {d: score(zx[:, :d], zy[:, :d], q_labels, g_labels, k)
+                   for d in dims if d <= axes.shape[0]}
+            for name, score in (("cosine", cosine_scores_metrics),
+                                ("inner", retrieval_metrics))}
 
 
 def power_of_two_dims(L: int) -> list[int]:

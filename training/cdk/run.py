@@ -115,9 +115,8 @@ def run(cfg: Config) -> dict:
     else:
         te_s0, te_p0 = te_s, te_p
     raw = cosine_scores_metrics(te_s0, te_p0, te.sketch_labels, te.photo_labels, cfg.k)
-    pca_args = (tr_s, tr_p, te_s0, te_p0, te.sketch_labels, te.photo_labels, cfg.k,
-                list(curves["most"]))
-    raw_pca, raw_pca_inner = pca_curves(*pca_args), pca_curves(*pca_args, cosine=False)
+    raw_pca = pca_curves(tr_s, tr_p, te_s0, te_p0, te.sketch_labels, te.photo_labels, cfg.k,
+                         list(curves["most"]))
     metrics = {
         **full,
         "map_by_dims": {str(d): m["map_all"] for d, m in curves["most"].items()},
@@ -130,9 +129,10 @@ def run(cfg: Config) -> dict:
         "orthogonality_train": _train_orthogonality(res, tr_s, tr_p, dev),
         "raw_backbone_cosine": raw,
         # the same raw features cut to their top-d principal axes (fit on training classes)
-        "raw_backbone_pca_map_by_dims": {str(d): m["map_all"] for d, m in raw_pca.items()},
+        "raw_backbone_pca_map_by_dims": {str(d): m["map_all"]
+                                         for d, m in raw_pca["cosine"].items()},
         "raw_backbone_pca_inner_map_by_dims": {str(d): m["map_all"]
-                                               for d, m in raw_pca_inner.items()},
+                                               for d, m in raw_pca["inner"].items()},
         "method": cfg.method, "backbone": cfg.backbone, "preset": cfg.preset,
         "seed": cfg.seed,
         "split": {"name": cfg.split, "train_classes": len(split["train"]),
@@ -145,8 +145,8 @@ def run(cfg: Config) -> dict:
     atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")
     plot_structure({f"{cfg.method} (d most significant)": curves["most"],
                     f"{cfg.method} (d least significant)": curves["least"],
-                    "raw features, top-d principal axes, cosine": raw_pca,
-                    "raw features, top-d principal axes, inner product": raw_pca_inner,
+                    "raw features, top-d principal axes, cosine": raw_pca["cosine"],
+                    "raw features, top-d principal axes, inner product": raw_pca["inner"],
                     "raw features, all dims, cosine": {d: raw for d in curves["most"]}},
                    out / "structure.png")
     plot_spectrum(res.singular_values, out / "spectrum.png")
