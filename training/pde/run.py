@@ -9,9 +9,8 @@ from pathlib import Path
 
 from training.atomic import atomic_write_text
 from training.pde import plots
-from training.pde.config import Config, config_from_args
+from training.pde.config import Config, config_from_args, problem_of
 from training.pde.evaluate import aligned_on_grid, evaluate
-from training.pde.problems import make_problem
 from training.pde.train import train
 
 __all__ = ["run", "run_config"]
@@ -22,7 +21,7 @@ log = logging.getLogger(__name__)
 def run_config(config: Config, progress: bool = True) -> dict:
     """Train, evaluate the EMA model and write OUT/metrics.json plus PNGs; returns the
     metrics."""
-    problem = make_problem(config.problem, config.ndim, config.train_std or None)
+    problem = problem_of(config)
     model, info = train(config, progress=progress)
     result = evaluate(model, problem, config.laplacian, config.fd_eps, config.eval_points)
     m = result["metrics"]

@@ -16,11 +16,11 @@ from tqdm import tqdm
 
 from training.atomic import atomic_save
 from training.device import pick_device
-from training.pde.config import Config
+from training.pde.config import Config, problem_of
 from training.pde.laplacian import negative_hamiltonian
 from training.pde.methods import make_method
 from training.pde.networks import DisjointMLPs
-from training.pde.problems import Problem, make_problem
+from training.pde.problems import Problem
 
 __all__ = ["build_model", "train", "load_checkpoint", "CHECKPOINT"]
 
@@ -46,7 +46,7 @@ def load_checkpoint(path, map_location="cpu") -> tuple[Config, DisjointMLPs, dic
     """(config, EMA model, the raw checkpoint): the model is rebuilt from the stored config."""
     ckpt = torch.load(path, map_location=map_location, weights_only=False)
     config = Config(**ckpt["config"])
-    model = build_model(config, make_problem(config.problem, config.ndim, config.train_std or None))
+    model = build_model(config, problem_of(config))
     model.load_state_dict(ckpt["ema"])
     return config, model, ckpt
 
@@ -67,7 +67,7 @@ def train(config: Config, progress: bool = True) -> tuple[DisjointMLPs, dict]:
     """Train per config; returns (EMA model on CPU, info with steps, seconds, device).
     Writes OUT/checkpoint.pt every checkpoint_every steps and at the end."""
     torch.set_num_threads(config.threads)
-    problem = make_problem(config.problem, config.ndim, config.train_std or None)
+    problem = problem_of(config)
     device = pick_device(config.device)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
