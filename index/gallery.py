@@ -1,8 +1,8 @@
-"""Photo galleries on disk: find the photos, name them, read them.
+"""Photo galleries on disk: find the photos, name them, embed them.
 
-A gallery folder is either `DIR/<class>/<photo>` or a paired folder `DIR/photo/<class>/<photo>`
-(the shape of sketchy-mini and of the Sketchy download). A photo's id is its file stem; ids
-must be unique in a gallery because `/photos/{id}` serves them.
+The folder layouts and the stray-file rule are `training.folders.scan_gallery`'s (a plain
+`DIR/<class>/<photo>`, a paired folder or the official Sketchy Extended layout). A photo's id
+is its file stem; ids must be unique in a gallery because `/photos/{id}` serves them.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from PIL import Image
 from tqdm import tqdm
 
 from index.model import Embedder
+from training.folders import DataError
+from training.folders import scan_gallery as scan_folder
 
 log = logging.getLogger(__name__)
 
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp"})
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
@@ -33,45 +34,28 @@ class Photo:
     path: str
 
 
-def photo_root(folder: str | Path) -> Path:
-    """The folder holding `<class>/<photo>`: DIR itself, or DIR/photo for a paired folder."""
-    root = Path(folder)
-    if not root.is_dir():
-        raise FileNotFoundError(f"photo folder {str(root)!r} does not exist")
-    if (root / "photo").is_dir():
-        return root / "photo"
-    return root
-
-
 def scan_gallery(folder: str | Path) -> tuple[Path, list[Photo]]:
-    """List the photos of a gallery folder, sorted by (class, file name).
+    """List the photos of a gallery folder, sorted by (class, file).
 
-    Returns the resolved root (what `Photo.path` is relative to) and the photos. Raises when
-    the folder has no class subfolders or no photos, or when two photos share an id.
+    Returns the resolved root (what `Photo.path` is relative to) and the photos. DataError
+    when the folder has no class subfolders, no photos or a stray file, or when two photos
+    share an id or an id breaks `ID_PATTERN`.
     """
-    root = photo_root(folder).resolve()
-    classes = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if not classes:
-        raise ValueError(f"photo folder {str(root)!r} has no class subfolders")
+    root, by_class = scan_folder(folder)
     photos: list[Photo] = []
     seen: dict[str, str] = {}
-    for class_dir in classes:
-        files = sorted(
-            f for f in class_dir.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES
-        )
+    for cls, files in by_class.items():
         for f in files:
             pid = f.stem
             rel = f.relative_to(root).as_posix()
             if not ID_PATTERN.match(pid):
-                raise ValueError(
+                raise DataError(
                     f"photo {str(f)!r} has id {pid!r}; ids must match {ID_PATTERN.pattern}"
                 )
             if pid in seen:
-                raise ValueError(f"photo id {pid!r} is used by both {seen[pid]!r} and {rel!r}")
+                raise DataError(f"photo id {pid!r} is used by both {seen[pid]!r} and {rel!r}")
             seen[pid] = rel
-            photos.append(Photo(id=pid, cls=class_dir.name, path=rel))
-    if not photos:
-        raise ValueError(f"photo folder {str(root)!r} has class folders but no images")
+            photos.append(Photo(id=pid, cls=cls, path=rel))
     return root, photos
 
 

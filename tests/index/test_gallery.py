@@ -1,8 +1,9 @@
 import pytest
 from PIL import Image
 
-from index.gallery import read_rgb, scan_gallery
-from tests.fakes import make_gallery
+from index.gallery import embed_photos, scan_gallery
+from tests.fakes import FakeEmbedder, make_gallery
+from training.folders import DataError
 
 
 def test_paired_folder_uses_its_photo_side(tmp_path):
@@ -24,20 +25,25 @@ def test_duplicate_ids_and_empty_folders_are_errors(tmp_path):
     for c in ("a", "b"):
         (tmp_path / "dup" / c).mkdir(parents=True)
         Image.new("RGB", (4, 4)).save(tmp_path / "dup" / c / "same.jpg")
-    with pytest.raises(ValueError, match="'same' is used by both 'a/same.jpg' and 'b/same.jpg'"):
+    with pytest.raises(DataError, match="'same' is used by both 'a/same.jpg' and 'b/same.jpg'"):
         scan_gallery(tmp_path / "dup")
+    (tmp_path / "badid" / "a").mkdir(parents=True)
+    Image.new("RGB", (4, 4)).save(tmp_path / "badid" / "a" / "-x.jpg")
+    with pytest.raises(DataError, match="'-x'"):
+        scan_gallery(tmp_path / "badid")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="no class subfolders"):
+    with pytest.raises(DataError, match="no class subfolders"):
         scan_gallery(tmp_path / "empty")
     (tmp_path / "noimg" / "c").mkdir(parents=True)
-    with pytest.raises(ValueError, match="no images"):
+    with pytest.raises(DataError, match="no images"):
         scan_gallery(tmp_path / "noimg")
-    with pytest.raises(FileNotFoundError, match="missing"):
+    with pytest.raises(DataError, match="missing"):
         scan_gallery(tmp_path / "missing")
 
 
 def test_unreadable_photo_is_named(tmp_path):
-    bad = tmp_path / "bad.jpg"
-    bad.write_bytes(b"not a jpeg")
-    with pytest.raises(ValueError, match="bad.jpg"):
-        read_rgb(bad)
+    make_gallery(tmp_path, classes=1, per_class=2)
+    (tmp_path / "class0" / "c0_0_001.jpg").write_bytes(b"not a jpeg")
+    root, photos = scan_gallery(tmp_path)
+    with pytest.raises(ValueError, match="c0_0_001.jpg"):
+        embed_photos(FakeEmbedder(L=4), root, photos, dims=4, progress=False)

@@ -1,31 +1,20 @@
-"""Sketch/photo data: folder scanning, class subsets and the paired sampler.
+"""Labelled sketch/photo files, class subsets and the paired sampler.
 
-Layouts read by ``scan``:
-* paired folder: ROOT/sketch/<class>/<file>, ROOT/photo/<class>/<file> (sketchy-mini);
-* official Sketchy Extended: ROOT/sketch/tx_000000000000/<class>/..., ROOT/photo/
-  tx_000000000000/<class>/... plus the extended photos in ROOT/extended_photo/<class>/ or
-  ROOT/EXTEND_image_sketchy/<class>/ when present.
-A sketch named ``<photo_id>-<n>.<ext>`` was drawn from photo ``<photo_id>``.
+The files come from ``training.folders`` (paired and Sketchy Extended layouts). A sketch
+named ``<photo_id>-<n>.<ext>`` was drawn from photo ``<photo_id>``.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .images import DataError
+from training.folders import DataError, scan_paired
 
 __all__ = ["DataError", "Dataset", "scan", "PairSampler"]
-
-log = logging.getLogger(__name__)
-
-IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
-OFFICIAL_SUBDIR = "tx_000000000000"
-EXTENDED_PHOTO_DIRS = ("extended_photo", "EXTEND_image_sketchy")
 
 
 @dataclass(frozen=True)
@@ -74,65 +63,18 @@ class Dataset:
         return out
 
 
-def _list_images(class_dir: Path) -> list[Path]:
-    files = []
-    for p in sorted(class_dir.iterdir()):
-        if p.name.startswith("."):
-            continue  # hidden files (.DS_Store, editor swap files) are not data
-        if p.is_dir() or p.suffix.lower() not in IMAGE_EXTS:
-            raise DataError(f"unexpected entry {str(p)!r}: expected image files "
-                            f"({sorted(IMAGE_EXTS)}) in class folders")
-        files.append(p)
-    return files
-
-
-def _class_dirs(root: Path) -> dict[str, Path]:
-    return {d.name: d for d in sorted(root.iterdir()) if d.is_dir() and not d.name.startswith(".")}
-
-
 def scan(root: str | Path) -> Dataset:
-    """Read a dataset folder; DataError names an empty class or one-modality class."""
-    root = Path(root)
-    if not root.is_dir():
-        raise DataError(f"data folder {str(root)!r} does not exist")
-    sk_root, ph_root = root / "sketch", root / "photo"
-    for d in (sk_root, ph_root):
-        if not d.is_dir():
-            raise DataError(f"data folder {str(root)!r} has no {d.name}/ subfolder")
-    photo_roots = [ph_root]
-    if (sk_root / OFFICIAL_SUBDIR).is_dir():  # official Sketchy Extended layout
-        sk_root = sk_root / OFFICIAL_SUBDIR
-        photo_roots = [ph_root / OFFICIAL_SUBDIR] if (ph_root / OFFICIAL_SUBDIR).is_dir() else []
-        photo_roots += [root / d for d in EXTENDED_PHOTO_DIRS if (root / d).is_dir()]
-        log.info("Sketchy Extended layout: sketches %s, photos %s", sk_root, photo_roots)
-    sk_classes = _class_dirs(sk_root)
-    ph_classes: dict[str, list[Path]] = {}
-    for pr in photo_roots:
-        for c, d in _class_dirs(pr).items():
-            ph_classes.setdefault(c, []).append(d)
-    only_s = sorted(set(sk_classes) - set(ph_classes))
-    only_p = sorted(set(ph_classes) - set(sk_classes))
-    if only_s or only_p:
-        where = [f"{sk_root / c} has no photo class" for c in only_s]
-        where += [f"{ph_classes[c][0]} has no sketch class" for c in only_p]
-        raise DataError("classes present in one modality only: " + "; ".join(where[:5]))
-    classes = sorted(sk_classes)
-    if not classes:
-        raise DataError(f"no class folders under {str(sk_root)!r}")
-    sketches, sl, photos, pl = [], [], [], []
-    for i, c in enumerate(classes):
-        s = _list_images(sk_classes[c])
-        p = [f for d in ph_classes[c] for f in _list_images(d)]
-        if not s:
-            raise DataError(f"empty class: no sketches in {str(sk_classes[c])!r}")
-        if not p:
-            raise DataError(f"empty class: no photos in {[str(d) for d in ph_classes[c]]}")
-        sketches += s
-        photos += p
-        sl += [i] * len(s)
-        pl += [i] * len(p)
-    return Dataset(root, tuple(classes), tuple(sketches), np.array(sl, dtype=np.int64),
-                   tuple(photos), np.array(pl, dtype=np.int64))
+    """Read a paired or Sketchy Extended folder; DataError names an empty class, a class with
+    one modality only, or a stray file."""
+    sketches, photos = scan_paired(root)
+    classes = tuple(sketches)  # sorted, the same on both sides
+
+    def flat(by_class):
+        files = [f for c in classes for f in by_class[c]]
+        labels = np.array([i for i, c in enumerate(classes) for _ in by_class[c]], dtype=np.int64)
+        return tuple(files), labels
+
+    return Dataset(Path(root), classes, *flat(sketches), *flat(photos))
 
 
 class PairSampler:

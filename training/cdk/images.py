@@ -8,11 +8,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from training.folders import DataError
+
 __all__ = ["DataError", "load_image", "to_rgb", "images_to_tensor"]
-
-
-class DataError(ValueError):
-    """Bad input data; the message names the offending file or folder."""
 
 
 def to_rgb(im: Image.Image) -> Image.Image:
