@@ -1,8 +1,9 @@
 """Photo galleries on disk: find the photos, name them, embed them.
 
 The folder layouts and the stray-file rule are `training.folders.scan_gallery`'s (a plain
-`DIR/<class>/<photo>`, a paired folder or the official Sketchy Extended layout). A photo's id
-is its file stem; ids must be unique in a gallery because `/photos/{id}` serves them.
+`DIR/<class>/<photo>`, a paired folder or the official Sketchy Extended layout); photos are
+decoded by `training.images.load_image`, as in training. A photo's id is its file stem; ids
+must be unique in a gallery because `/photos/{id}` serves them.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 from tqdm import tqdm
 
 from index.model import Embedder
 from training.folders import DataError
 from training.folders import scan_gallery as scan_folder
+from training.images import load_image
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +60,6 @@ def scan_gallery(folder: str | Path) -> tuple[Path, list[Photo]]:
     return root, photos
 
 
-def read_rgb(path: Path) -> Image.Image:
-    """Decode one gallery photo as RGB, naming the file when it cannot be read."""
-    try:
-        with Image.open(path) as img:
-            return img.convert("RGB")
-    except (OSError, ValueError, Image.DecompressionBombError) as err:
-        raise ValueError(f"cannot read photo {str(path)!r}: {err}") from err
-
-
 def embed_photos(
     embedder: Embedder,
     root: Path,
@@ -86,7 +78,7 @@ def embed_photos(
     bar = tqdm(total=len(photos), desc="embedding photos", unit="img", disable=not progress)
     for start in range(0, len(photos), batch_size):
         chunk = photos[start : start + batch_size]
-        images = [read_rgb(root / p.path) for p in chunk]
+        images = [load_image(root / p.path) for p in chunk]
         emb = np.asarray(embedder.embed(images, "photo", batch_size=batch_size), dtype=np.float32)
         if emb.shape != (len(chunk), embedder.L):
             raise ValueError(

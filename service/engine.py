@@ -17,10 +17,12 @@ import torch
 from index.kinds import gpu_available, to_gpu
 from index.model import Embedder, load_embedder
 from index.store import GalleryIndex, IndexCorruptError, load_index, read_sidecar
-from service.images import decode_image
 from service.settings import Settings
+from training.images import decode_image
 
 log = logging.getLogger(__name__)
+
+SKETCH_FORMATS = ("PNG", "JPEG", "WEBP")  # what the web page and API clients may upload
 
 
 class UnknownPhotoError(KeyError):
@@ -99,7 +101,8 @@ class RetrievalEngine:
                             f"{self.dims} of L={self.embedder.L} modes)")
         timings = Timings()
         t0 = time.perf_counter()
-        images = [decode_image(data, name, self.max_pixels) for name, data in uploads]
+        images = [decode_image(data, name, self.max_pixels, formats=SKETCH_FORMATS)
+                  for name, data in uploads]
         timings.decode = time.perf_counter() - t0
         queries = self.embed_sketches(images, dims, timings)
         t0 = time.perf_counter()

@@ -12,6 +12,7 @@ from index.store import load_index
 from tests.fakes import FakeEmbedder
 from training.cdk.data import scan
 from training.folders import (
+    IMAGE_SUFFIXES,
     DataError,
     gallery_roots,
     scan_paired,
@@ -19,6 +20,7 @@ from training.folders import (
 from training.folders import (
     scan_gallery as scan_photo_folder,
 )
+from training.images import FORMATS
 
 OFFICIAL = "tx_000000000000"
 
@@ -37,6 +39,11 @@ def sketchy_extended(root: Path, extended: str = "extended_photo") -> Path:
             jpg(root / "sketch" / OFFICIAL / c / f"{c}{i}-1.png")
         jpg(root / extended / c / f"ext_{c}.jpg", 200)
     return root
+
+
+def test_suffixes_are_those_of_the_decoder_formats():
+    known = Image.registered_extensions()
+    assert {known[s] for s in IMAGE_SUFFIXES} == set(FORMATS)
 
 
 @pytest.mark.parametrize("extended", ["extended_photo", "EXTEND_image_sketchy"])

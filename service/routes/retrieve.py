@@ -9,16 +9,16 @@ from starlette.concurrency import run_in_threadpool
 
 from service.deps import EngineDep, SettingsDep
 from service.engine import DimsError, Hit, RetrievalEngine
-from service.images import (
-    BadImageError,
+from service.schemas import BatchOut, HitOut, QueryOut, RetrieveOut
+from service.settings import Settings
+from training.images import (
     EmptyImageError,
+    ImageError,
     ImageTooLargeError,
     NotAnImageError,
     TruncatedImageError,
     check_size,
 )
-from service.schemas import BatchOut, HitOut, QueryOut, RetrieveOut
-from service.settings import Settings
 
 router = APIRouter(tags=["retrieve"])
 
@@ -34,7 +34,7 @@ DimsParam = Annotated[int | None, Query(description="modes used for scoring, 1..
 KParam = Annotated[int | None, Query(description="number of photos returned, 1..max_k")]
 
 
-def http_error(err: BadImageError | DimsError) -> HTTPException:
+def http_error(err: ImageError | DimsError) -> HTTPException:
     if isinstance(err, DimsError):
         return HTTPException(status_code=422, detail=str(err))
     return HTTPException(status_code=STATUS.get(type(err), 400), detail=str(err))
@@ -55,7 +55,7 @@ async def read_upload(file: UploadFile, limit: int) -> tuple[str, bytes]:
     name = file.filename or "file"
     data = await file.read(limit + 1)
     try:
-        check_size(data, limit, name)
+        check_size(len(data), limit, name)
     except ImageTooLargeError as err:
         raise http_error(err) from err
     return name, data
@@ -68,7 +68,7 @@ def hits_out(hits: list[Hit]) -> list[HitOut]:
 async def run_retrieval(engine: RetrievalEngine, uploads, dims: int, k: int, response: Response):
     try:
         hits, timings = await run_in_threadpool(engine.retrieve, uploads, dims, k)
-    except (BadImageError, DimsError) as err:
+    except (ImageError, DimsError) as err:
         raise http_error(err) from err
     response.headers["Server-Timing"] = timings.header()
     return hits

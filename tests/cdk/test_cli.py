@@ -12,7 +12,7 @@ from training.cdk.checkpoint import load_checkpoint
 from training.cdk.data import scan
 from training.cdk.embedder import Embedder
 from training.cdk.evaluate import retrieval_metrics
-from training.cdk.images import load_image
+from training.images import load_image
 
 CLASSES = ("airplane", "bat", "cow", "door", "pear")
 TEST = ("bat", "cow")

@@ -9,6 +9,7 @@ from training.cdk.backbones import build_backbone
 from training.cdk.data import DataError, PairSampler, scan
 from training.cdk.features import extract_features
 from training.cdk.splits import SKETCHY2_TEST, split_classes
+from training.images import ImageError
 
 
 def _png(path: Path, value: int = 0, mode="RGB"):
@@ -72,7 +73,7 @@ def test_bad_data_errors_name_the_file(tmp_path):
     bad.write_bytes(b"not a jpeg")
     ds = scan(root)
     bb = build_backbone("efficientnet-lite0")
-    with pytest.raises(DataError, match="b1.jpg"):
+    with pytest.raises(ImageError, match="b1.jpg"):
         extract_features(ds.photos, bb, 32, None)
 
     root = make_paired(tmp_path / "orphan")

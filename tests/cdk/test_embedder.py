@@ -73,13 +73,3 @@ def test_not_a_checkpoint_is_a_clear_error(tmp_path):
         Embedder.from_checkpoint(init_checkpoint(tmp_path / "z.pt", L=4, hidden=8)).embed(
             _images(), "drawing")
 
-
-def test_to_rgb_flattens_every_transparent_mode_onto_white():
-    from training.cdk.images import to_rgb
-
-    base = Image.new("RGBA", (4, 4), (0, 0, 0, 0))
-    base.putpixel((1, 1), (0, 0, 0, 255))
-    for mode in ("RGBA", "LA", "PA"):
-        out = to_rgb(base.convert(mode))
-        assert out.getpixel((0, 0)) == (255, 255, 255), mode
-        assert out.getpixel((1, 1)) == (0, 0, 0), mode

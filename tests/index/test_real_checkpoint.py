@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from index.gallery import read_rgb, scan_gallery
+from index.gallery import scan_gallery
 from index.store import IndexMismatchError, load_index
 from tests.conftest import REPO
+from training.images import load_image
 
 
 def test_cli_builds_an_index_that_equals_brute_force(tmp_path, real_checkpoint, real_embedder,
@@ -29,7 +30,7 @@ def test_cli_builds_an_index_that_equals_brute_force(tmp_path, real_checkpoint, 
     ix = load_index(out, checkpoint_sha256=real_embedder.checkpoint_sha256)
     assert ix.sidecar.backbone == "efficientnet-lite0" and ix.sidecar.L == 8
     root, photos = scan_gallery(small_gallery)
-    gallery = real_embedder.embed([read_rgb(root / p.path) for p in photos], "photo")  # (15, 8)
+    gallery = real_embedder.embed([load_image(root / p.path) for p in photos], "photo")  # (15, 8)
     sketches = real_embedder.embed(
         [Image.open(io.BytesIO(b)).convert("RGB") for b in small_sketches], "sketch")
     for d in (1, 2, 4, 6):
@@ -59,7 +60,7 @@ def test_index_rankings_reproduce_training_evaluation(real_embedder, real_index,
     classes = sorted({p.cls for p in photos})
     g_labels = np.array([classes.index(p.cls) for p in photos])
     # Queries: the gallery photos turned grey and posterised, one per photo, labelled by class.
-    queries = [read_rgb(root / p.path).convert("L").point(lambda v: 255 * (v > 128))
+    queries = [load_image(root / p.path).convert("L").point(lambda v: 255 * (v > 128))
                for p in photos]
     f = real_embedder.embed(queries, "sketch")  # (15, 8)
     g = ix.index.reconstruct_n(0, len(ix))  # (15, 8) stored photo embeddings

@@ -140,7 +140,7 @@ BAD_UPLOADS = [
     ("truncated", sketch_png(size=128)[:300], 400, "truncated"),
     ("bomb", png_with_size(60_000, 60_000), 413, "too many pixels"),
     ("large", png_with_size(2000, 2000), 413, "2000x2000 = 4000000 pixels; the limit is 1000000"),
-    ("oversize", b"\x89PNG" + b"0" * 200_000, 413, "over the upload limit of 200000 bytes"),
+    ("oversize", b"\x89PNG" + b"0" * 200_000, 413, "over the limit of 200000 bytes"),
 ]
 
 

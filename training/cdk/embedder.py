@@ -16,10 +16,10 @@ import torch
 from PIL import Image
 
 from training.device import pick_device
+from training.images import images_to_tensor
 
 from .backbones import Backbone, bare_backbone
 from .checkpoint import load_checkpoint
-from .images import images_to_tensor
 from .model import MODALITIES, Head
 
 __all__ = ["Embedder"]

@@ -150,7 +150,7 @@ def plot_gallery(f, g, q_labels, g_labels, q_files, g_files, path, n_queries=6, 
                  seed=0) -> Path:
     """Grid image: each row a query sketch and its top-k photos by full inner product,
     framed green if relevant (same class) and red otherwise."""
-    from .images import load_image
+    from training.images import load_image
 
     plt = _plt()
     rng = np.random.default_rng(seed)

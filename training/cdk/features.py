@@ -17,14 +17,14 @@ from tqdm import tqdm
 
 from training.atomic import atomic_save
 from training.device import pick_device
+from training.images import images_to_tensor, load_image
 
 from .backbones import Backbone, weights_fingerprint
-from .images import images_to_tensor, load_image
 
 __all__ = ["extract_features", "cache_key"]
 
 log = logging.getLogger(__name__)
-_VERSION = 1  # bump when preprocessing changes
+_VERSION = 2  # bump when preprocessing changes (2: EXIF orientation, 16-bit scaling)
 
 
 def cache_key(files, backbone: Backbone, module: torch.nn.Module, image_size: int) -> str:
@@ -43,7 +43,7 @@ def _compute(files, backbone, module, image_size, batch_size, device, desc) -> t
     module = module.to(device).eval()
     out = []
     for i in tqdm(range(0, len(files), batch_size), desc=desc, unit="batch", leave=False):
-        ims = [load_image(f) for f in files[i : i + batch_size]]  # DataError names the file
+        ims = [load_image(f) for f in files[i : i + batch_size]]  # ImageError names the file
         x = images_to_tensor(ims, image_size, backbone.mean, backbone.std).to(device)
         with torch.autocast(device.type, enabled=device.type == "cuda"):
             out.append(module(x).float().cpu())

@@ -23,13 +23,13 @@ import torch.distributed as dist
 from torch import nn
 
 from training.device import pick_device
+from training.images import images_to_tensor, load_image
 
 from ..loss import cdk_loss, nesting_masks, singular_values
 from .backbones import Backbone
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import NESTING_OF, RUNTIME_FIELDS, Config, nesting_weights, to_dict
 from .data import PairSampler
-from .images import images_to_tensor, load_image
 from .model import MODALITIES, Head
 
 __all__ = ["TrainData", "TrainResult", "train"]
