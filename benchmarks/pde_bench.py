@@ -28,7 +28,7 @@ from training.pde.grid import solve_grid
 from training.pde.laplacian import negative_hamiltonian
 from training.pde.methods import make_method
 from training.pde.problems import make_problem
-from training.pde.run import run_config
+from training.pde.run import run
 from training.pde.train import build_model
 
 METHODS = ["neuralsvd-seq", "neuralsvd-jnt", "neuralef", "spin"]
@@ -95,7 +95,7 @@ def main(argv=None):
         for method in args.methods:
             config = preset("cpu", problem, method=method, threads=args.threads,
                             out=str(out / method), **overrides)
-            m = run_config(config, progress=False)
+            m = run(config, progress=False)
             runs[method] = {k: m[k] for k in (
                 "iterations", "seconds", "rel_error_mean", "angle_distance_mean",
                 "subspace_distance_mean", "orthogonality", "rel_errors", "eigenvalues",

@@ -9,7 +9,6 @@ the same hash. The index folder is replaced atomically.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 from index.gallery import embed_photos, scan_gallery
 from index.model import Embedder, load_embedder
 from index.store import Sidecar, load_index, now_utc, write_index
+from training import cli
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,8 @@ def print_append(report: AppendReport) -> None:
 
 @dataclass(frozen=True)
 class AddConfig:
-    index: str = ""
-    photos: str = ""
+    index: str = ""  # existing index folder
+    photos: str = ""  # folder of <class>/<photo> to add
     checkpoint: str | None = None  # None: the checkpoint recorded in the sidecar
     batch_size: int = 32
     device: str | None = None
@@ -89,17 +89,12 @@ class AddConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> AddConfig:
-    defaults = AddConfig()
-    p = argparse.ArgumentParser(prog="python -m index.add", description=__doc__.split("\n")[0])
-    p.add_argument("--index", required=True, help="existing index folder")
-    p.add_argument("--photos", required=True, help="folder of <class>/<photo> to add")
-    p.add_argument("--checkpoint", default=defaults.checkpoint,
-                   help="default: the one in the sidecar")
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    p.add_argument("--device", default=defaults.device)
-    p.add_argument("--threads", type=int, default=defaults.threads)
-    p.add_argument("--no-progress", dest="progress", action="store_false")
-    return dataclasses.replace(defaults, **vars(p.parse_args(argv)))
+    """One dashed flag per AddConfig field (training.cli); --index and --photos are
+    required."""
+    parser = cli.build_parser(AddConfig, prog="python -m index.add",
+                              description=__doc__,
+                              required=("index", "photos"))
+    return cli.parse(parser, AddConfig, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,13 +5,12 @@
 
 Embeds every photo with the checkpoint's photo side, keeps the top `--dims` modes (default
 all L) and writes an exact inner-product index, or an approximate one for large galleries
-(`--kind`, or chosen by size) with its recall against exact search printed.
+(`--kind`, or chosen by size) with its recall against exact search printed. `--device`
+defaults to CUDA when present; `--append` adds the new photos to the index at `--out`.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -28,22 +27,23 @@ from index.store import (
     now_utc,
     write_index,
 )
+from training import cli
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class BuildConfig:
-    checkpoint: str = ""
-    photos: str = ""
-    out: str = ""
-    dims: int | None = None  # None: all L
+    checkpoint: str = ""  # training.cdk checkpoint.pt
+    photos: str = ""  # folder of <class>/<photo>, or a paired folder
+    out: str = ""  # index folder to write (replaced atomically)
+    dims: int | None = None  # stored modes; None: all L
     kind: str = "auto"  # auto | flat | ivf | hnsw
     batch_size: int = 32
     recall_k: int = 10
-    device: str | None = None
-    threads: int = 2
-    append: bool = False
+    device: str | None = None  # torch device; None: CUDA when present, else CPU
+    threads: int = 2  # CPU threads of torch and FAISS
+    append: bool = False  # add new photos to the index at --out instead of rebuilding
     progress: bool = True
 
 
@@ -103,21 +103,16 @@ def build_index(
 
 
 def parse_args(argv: list[str] | None = None) -> BuildConfig:
-    defaults = BuildConfig()
-    p = argparse.ArgumentParser(prog="python -m index.build", description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", required=True, help="training.cdk checkpoint.pt")
-    p.add_argument("--photos", required=True, help="folder of <class>/<photo>, or a paired folder")
-    p.add_argument("--out", required=True, help="index folder to write (replaced atomically)")
-    p.add_argument("--dims", type=int, default=defaults.dims, help="stored modes (default: L)")
-    p.add_argument("--kind", choices=["auto", *KINDS], default=defaults.kind)
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    p.add_argument("--recall-k", type=int, default=defaults.recall_k)
-    p.add_argument("--device", default=defaults.device, help="torch device (default: auto)")
-    p.add_argument("--threads", type=int, default=defaults.threads, help="CPU threads")
-    p.add_argument("--append", action="store_true", help="add new photos to the index at --out")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
-    ns = vars(p.parse_args(argv))
-    return dataclasses.replace(defaults, **ns)
+    """One dashed flag per BuildConfig field (training.cli); --checkpoint, --photos and
+    --out are required."""
+    parser = cli.build_parser(
+        BuildConfig,
+        prog="python -m index.build",
+        description=__doc__,
+        choices={"kind": ["auto", *KINDS]},
+        required=("checkpoint", "photos", "out"),
+    )
+    return cli.parse(parser, BuildConfig, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,11 @@
-"""All service settings in one place; environment variables `SKETCHSVD_*` override defaults."""
+"""All service settings in one place; environment variables `SKETCHSVD_*` override defaults
+and `python -m service` has one dashed flag per field (`--photos-dir`), which overrides
+both."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -12,14 +15,15 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SKETCHSVD_", frozen=True, extra="forbid")
 
     index: Path = Path("runs/index")
-    # Default: the path recorded in the index sidecar, else checkpoint.pt next to the index.
-    checkpoint: Path | None = None
-    # Default: the photo folder recorded in the sidecar (override it when the photos moved,
-    # e.g. into a container volume).
-    photos_dir: Path | None = None
+    checkpoint: Path | None = Field(
+        default=None, description="None: the path in the index sidecar, else checkpoint.pt "
+        "next to the index")
+    # Override it when the photos moved, e.g. into a container volume.
+    photos_dir: Path | None = Field(
+        default=None, description="None: the photo folder recorded in the index sidecar")
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
-    device: str | None = None
+    device: str | None = Field(default=None, description="None: CUDA when present, else CPU")
     threads: int = Field(default=1, ge=1, description="torch/FAISS threads per inference")
     inference_slots: int = Field(default=2, ge=1, description="concurrent model forwards")
 
@@ -29,6 +33,7 @@ class Settings(BaseSettings):
     default_k: int = Field(default=12, ge=1)
     max_batch: int = Field(default=16, ge=1)
     cors_origins: list[str] = []
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @property
     def max_body_bytes(self) -> int:

@@ -147,7 +147,7 @@ def test_cdk_learned_from_paired_samples():
 
 
 def test_demo_prints_the_recovered_spectrum(capsys):
-    main(["--steps", "800", "--rank", "4"])
+    main(["--steps", "800", "--L", "4"])
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 4

@@ -6,27 +6,27 @@ the scaled standard basis sqrt(n) e_i makes every inner product exact, so the op
 the true objective and the learned a_l, b_l converge to sqrt-scaled singular vectors: the
 NestedLoRA optimum is a_l b_l^T = s_l u_l v_l^T, and s_l = ||a_l|| ||b_l||.
 
-    python -m training.demo [--nesting joint|sequential|none] [--rank 8] [--steps 3000]
+    python -m training.demo [--nesting joint|sequential|none] [--L 8] [--steps 3000]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 
 import torch
 from tqdm import tqdm
 
-from training.loss import evd_loss, nesting_masks, svd_loss
+from training import cli
+from training.loss import NESTINGS, evd_loss, nesting_masks, svd_loss
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class FitConfig:
-    L: int = 8
-    nesting: str = "joint"
+    L: int = 8  # modes to learn
+    nesting: str = "joint"  # joint | sequential | none
     steps: int = 3000
     lr: float = 2e-2
     lr_final: float = 1e-4  # cosine decay to this
@@ -107,20 +107,17 @@ def random_matrix(n: int, m: int, s: torch.Tensor, seed: int = 0) -> torch.Tenso
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = cli.build_parser(
+        FitConfig,
         prog="python -m training.demo",
         description="Recover the SVD of a 64x48 matrix with NestedLoRA.",
+        choices={"nesting": NESTINGS},
     )
-    parser.add_argument("--nesting", choices=["joint", "sequential", "none"], default="joint")
-    parser.add_argument("--rank", type=int, default=FitConfig.L, help="modes to learn, L")
-    parser.add_argument("--steps", type=int, default=FitConfig.steps)
-    parser.add_argument("--seed", type=int, default=FitConfig.seed)
-    args = parser.parse_args(argv)
+    cfg = cli.parse(parser, FitConfig, argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     s = torch.cat([torch.linspace(1.0, 0.3, 8), torch.linspace(0.25, 0.01, 40)]).double()
-    K = random_matrix(64, 48, s, seed=args.seed)
-    cfg = FitConfig(L=args.rank, nesting=args.nesting, steps=args.steps, seed=args.seed)
+    K = random_matrix(64, 48, s, seed=cfg.seed)
     A, B, history = fit_svd(K, cfg, progress=True)
 
     U, S, Vh = torch.linalg.svd(K)

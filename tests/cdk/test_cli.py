@@ -46,9 +46,9 @@ def sketchy_mini_module():
 
 def _args(root, split, out, cache, *extra):
     return ["--data", str(root), "--split", str(split), "--out", str(out),
-            "--cache_dir", str(cache), "--image_size", "32", "--L", "4", "--hidden", "16",
-            "--batch_size", "6", "--epochs", "2", "--gallery_queries", "2",
-            "--gallery_topk", "3", "--k", "2", *extra]
+            "--cache-dir", str(cache), "--image-size", "32", "--L", "4", "--hidden", "16",
+            "--batch-size", "6", "--epochs", "2", "--gallery-queries", "2",
+            "--gallery-topk", "3", "--k", "2", *extra]
 
 
 def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
@@ -98,7 +98,7 @@ def test_cli_finetune_trains_separate_backbones(tiny, tmp_path):
     root, split = tiny
     out = tmp_path / "ft"
     main(_args(root, split, out, tmp_path / "cache", "--finetune", "true", "--epochs", "1",
-               "--backbone_lr", "0.01"))
+               "--backbone-lr", "0.01"))
     ck = load_checkpoint(out / "checkpoint.pt")
     assert ck["backbone"]["finetuned"]
     sk, ph = ck["backbones"]["sketch"], ck["backbones"]["photo"]

@@ -5,7 +5,7 @@ import torch.multiprocessing as mp
 
 from training.cdk import train as train_mod
 from training.cdk.checkpoint import load_checkpoint
-from training.cdk.config import make_config, parse_args
+from training.cdk.config import make_config
 from training.cdk.train import TrainData
 
 from .ddp_worker import ddp_worker, synthetic_backbone, synthetic_data
@@ -102,31 +102,3 @@ def test_joint_nesting_recovers_exact_cdk_spectrum(tmp_path, weights):
     sv = train_mod.train(cfg, data, synthetic_backbone(4), tmp_path).singular_values
     np.testing.assert_allclose(sv.numpy(), exact[:2], atol=0.01)
     assert exact[0] - exact[1] > 0.1  # distinct modes, so the order is informative
-
-
-def test_cli_parsing_rules(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "d").mkdir()
-    cfg = parse_args(["--data", "d", "--preset", "paper", "--seed", "3"])
-    assert (cfg.L, cfg.hidden, cfg.batch_size, cfg.epochs, cfg.lr, cfg.mu) == \
-        (512, 8192, 4096, 10, 5e-3, 16.0)
-    assert cfg.momentum == 0.9 and cfg.grad_clip > 0 and cfg.seed == 3 and cfg.k == 100
-    assert parse_args(["--data", "d", "--finetune", "true"]).finetune is True
-    for bad in (["--data", "d", "--nosuchflag", "1"], ["--data", "d", "--method", "pca"],
-                ["--data", "d", "--preset", "gpu"], ["--data", "d", "--epochs", "two"],
-                ["--data", "d", "--backbone", "resnet"], ["--split", "sketchy2"],
-                ["--data", "d", "--L", "0"], ["--data", "nodir"],
-                ["--data", "d", "--split", "sketchy3"],
-                ["--data", "d", "--nesting_weights", "linear"],
-                ["--data", "d", "--method", "lora", "--nesting_weights", "harmonic"]):
-        with pytest.raises(SystemExit):
-            parse_args(bad)
-    assert parse_args(["--data", "d", "--nesting_weights", "harmonic"]).nesting_weights == \
-        "harmonic"
-    # The cpu preset's lr for sequential nesting, unless the user sets one.
-    assert parse_args(["--data", "d", "--method", "neuralsvd-seq"]).lr == 0.005
-    assert parse_args(["--data", "d", "--method", "neuralsvd-seq", "--lr", "0.1"]).lr == 0.1
-    assert parse_args(["--data", "d", "--method", "lora"]).lr == 0.05
-    # Joint nesting: harmonic weights in the cpu preset, the paper's uniform ones in paper.
-    assert parse_args(["--data", "d"]).nesting_weights == "harmonic"
-    assert parse_args(["--data", "d", "--preset", "paper"]).nesting_weights == "uniform"

@@ -1,13 +1,14 @@
 """Each method runs a few steps of a tiny config end to end through the command line and
 writes metrics.json, the checkpoint and the plots; bad flags and values are errors."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from training.pde.config import config_from_args
-from training.pde.run import run
+from training.pde.__main__ import main
+from training.pde.config import Config, parse_args
 
 TINY = [
     "--preset", "cpu", "--iterations", "3", "--batch-size", "16", "--fourier-features", "4",
@@ -22,7 +23,8 @@ KEYS = {
 @pytest.mark.parametrize("method", ["neuralsvd-seq", "neuralsvd-jnt", "lora", "neuralef", "spin"])
 def test_each_method_runs_end_to_end_on_hydrogen(method, tmp_path):
     torch.manual_seed(0)
-    run(["hydrogen", "--method", method, "--seed", "1", "--out", str(tmp_path), *TINY])
+    assert main(["hydrogen", "--method", method, "--seed", "1", "--out", str(tmp_path),
+                 *TINY]) == 0
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert KEYS <= set(m)
     assert m["problem"] == "hydrogen" and m["method"] == method and m["iterations"] == 3
@@ -33,13 +35,13 @@ def test_each_method_runs_end_to_end_on_hydrogen(method, tmp_path):
 
 
 def test_oscillator_in_3d_and_2d_with_the_exact_laplacian(tmp_path):
-    run(["oscillator", "--ndim", "3", "--out", str(tmp_path / "d3"), "--eval-points", "2048",
+    main(["oscillator", "--ndim", "3", "--out", str(tmp_path / "d3"), "--eval-points", "2048",
          *TINY])
     m = json.loads((tmp_path / "d3" / "metrics.json").read_text())
     # L covers the zero level n = 3 (20 modes); the 10 positive ones are evaluated
     assert m["ndim"] == 3 and len(m["eigenvalues"]) == 20 and len(m["rel_errors"]) == 10
     assert len(m["eigenvalues_norm"]) == 20
-    run(["oscillator", "--laplacian", "exact", "--iterations", "2", "--out",
+    main(["oscillator", "--laplacian", "exact", "--iterations", "2", "--out",
          str(tmp_path / "d2"), "--train-std", "3", *TINY[2:]])
     m = json.loads((tmp_path / "d2" / "metrics.json").read_text())
     assert m["config"]["train_std"] == 3.0
@@ -56,26 +58,41 @@ def test_oscillator_in_3d_and_2d_with_the_exact_laplacian(tmp_path):
         (["hydrogen", "--iterations", "many"], "invalid int value: 'many'"),
         (["hydrogen", "--batch-size", "1"], "batch_size must be >= 2, got 1"),
         (["hydrogen", "--ndim", "3"], "ndim=3"),
+        (["hydrogen", "--batch_size", "512"], "unrecognized arguments: --batch_size"),
+        (["hydrogen", "--resume", "maybe"], "argument --resume: expected one of"),
+        ([], "the following arguments are required: problem"),
     ],
 )
 def test_bad_flags_and_values_are_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
-        config_from_args(argv)
+        parse_args(argv)
     assert message in capsys.readouterr().err
 
 
 def test_presets_and_overrides():
-    paper = config_from_args(["oscillator"])
+    paper = parse_args(["oscillator"])
     assert (paper.fourier_features, paper.fourier_scale, paper.iterations) == (256, 1.0, 100_000)
     assert paper.lr == 1e-4 and paper.hidden == 128
-    h = config_from_args(["hydrogen", "--batch-size", "512", "--seed", "3"])
+    h = parse_args(["hydrogen", "--batch-size", "512", "--seed", "3"])
     assert (h.fourier_features, h.iterations, h.batch_size, h.seed) == (1024, 500_000, 512, 3)
-    cpu = config_from_args(["hydrogen", "--preset", "cpu"])
+    cpu = parse_args(["hydrogen", "--preset", "cpu"])
     assert cpu.iterations < h.iterations and cpu.fourier_features < h.fourier_features
     assert cpu.n_modes == 0 and cpu.fourier_scale == h.fourier_scale and cpu.lr == 1e-3
     assert paper.n_modes == 0  # the problem's L = 55
-    osc = config_from_args(["oscillator", "--preset", "cpu"])
+    osc = parse_args(["oscillator", "--preset", "cpu"])
     assert (osc.n_modes, osc.fourier_scale, osc.lr) == (0, 0.15, 2e-3)
     assert (osc.batch_size, osc.iterations, osc.train_std) == (128, 9_000, 2.0)
     assert cpu.train_std == 0 and paper.train_std == 0  # the problem's: the paper's std
-    assert config_from_args(["oscillator", "--preset", "cpu", "--n-modes", "28"]).n_modes == 28
+    assert parse_args(["oscillator", "--preset", "cpu", "--n-modes", "28"]).n_modes == 28
+
+
+def test_bool_flags_and_help(capsys):
+    assert parse_args(["hydrogen", "--resume", "true"]).resume is True
+    assert parse_args(["hydrogen", "--resume"]).resume is True
+    assert parse_args(["hydrogen", "--no-resume"]).resume is False
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(Config):
+        assert f.name == "problem" or "--" + f.name.replace("_", "-") in out
+    assert "--preset" in out and "cpu: Minutes on 2 CPU cores" in out

@@ -1,12 +1,17 @@
 """Deployment files: the compose file's structure and the commands it runs (no Docker here)."""
 
+import dataclasses
+import json
+import re
 import shlex
 from pathlib import Path
 
 import pytest
 
 from index.build import parse_args as build_args
+from service.__main__ import parse_args as service_args
 from tests.conftest import REPO
+from training.cdk.config import PRESETS, Config
 
 yaml = pytest.importorskip("yaml", reason="pyyaml is not installed")
 
@@ -42,6 +47,8 @@ def test_api_service(compose):
     assert health["test"][0] == "CMD" and "/health" in " ".join(health["test"])
     assert {"interval", "timeout", "retries"} <= set(health)
     assert api["ports"][0].endswith(":8000") and "0.0.0.0" in api["command"]
+    settings = service_args(api["command"][3:])  # the service CLI accepts exactly these flags
+    assert (str(settings.index), settings.host, settings.port) == (index_dir, "0.0.0.0", 8000)
 
 
 def test_train_service_runs_training_then_index_build(compose):
@@ -52,6 +59,10 @@ def test_train_service_runs_training_then_index_build(compose):
     assert [s[:3] for s in steps] == [["python", "-m", "training.cdk"],
                                       ["python", "-m", "index.build"]]
     train_args = dict(zip(steps[0][3::2], steps[0][4::2], strict=True))
+    # training.cdk flags are the dashed Config fields and --preset
+    fields = {f.name for f in dataclasses.fields(Config)}
+    assert {f[2:].replace("-", "_") for f in train_args} <= fields
+    assert "_" not in "".join(train_args) and train_args["--preset"] in PRESETS
     cfg = build_args(steps[1][3:])  # the index CLI accepts exactly these flags
     assert cfg.checkpoint == str(Path(train_args["--out"]) / "checkpoint.pt")
     assert cfg.photos == train_args["--data"]
@@ -79,4 +90,7 @@ def test_dockerfile_copies_what_it_runs():
             for src in line.split()[1:-1]:
                 assert (REPO / src).exists(), src
     assert 'CMD ["python", "-m", "service"' in text and "/health" in text
+    cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
+    settings = service_args(cmd[3:])
+    assert (settings.host, settings.port) == ("0.0.0.0", 8000)
     assert "-c constraints.txt" in text

@@ -1,5 +1,5 @@
 """python -m training.cdk --data DIR [--split ...] [--backbone ...] [--method ...]
-[--preset paper|cpu] [--seed S] [--out DIR] (every Config field is a flag)."""
+[--preset cpu|paper] [--seed S] [--out DIR] (every Config field is a dashed flag)."""
 
 from __future__ import annotations
 

@@ -108,7 +108,7 @@ def _vgg16(weights: str | None) -> tuple[nn.Module, int]:
         except Exception as e:  # noqa: BLE001 - offline: name the way out
             raise RuntimeError(
                 "could not obtain torchvision's pretrained VGG16 weights "
-                f"({type(e).__name__}: {e}); pass a local state dict with --backbone_weights FILE"
+                f"({type(e).__name__}: {e}); pass a local state dict with --backbone-weights FILE"
             ) from e
         trunk = full.features
     else:

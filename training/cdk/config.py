@@ -1,16 +1,18 @@
-"""Defaults of ``python -m training.cdk``: one frozen dataclass, two presets, and a CLI
-parser whose flags are exactly the dataclass fields (unknown flags or values are errors).
+"""Defaults of ``python -m training.cdk``: one frozen dataclass whose defaults are the
+``cpu`` preset, the presets as differences from it, and the command line (training.cli:
+one dashed flag per field; unknown flags or values are errors).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from training import cli
+
 __all__ = ["Config", "PRESETS", "METHODS", "NESTING_OF", "NESTING_WEIGHTS", "nesting_weights",
-           "make_config", "parse_args"]
+           "make_config", "parse_args", "to_dict", "from_dict"]
 
 # CLI method name -> nesting of training.loss.nesting_masks
 NESTING_OF = {"neuralsvd-jnt": "joint", "neuralsvd-seq": "sequential", "lora": "none"}
@@ -27,6 +29,9 @@ RUNTIME_FIELDS = ("out", "threads", "cache_dir", "k", "gallery_queries", "galler
 
 @dataclass(frozen=True)
 class Config:
+    """The ``cpu`` preset with neuralsvd-jnt: minutes on 2 CPU cores (a smaller head than
+    the paper's, more and smaller steps, a larger lr to match)."""
+
     # data
     data: str = ""  # ROOT with {sketch,photo}/<class>/<file> or the Sketchy Extended layout
     split: str = "sketchy2"  # sketchy2 | sketchy1 | FILE listing test classes
@@ -40,14 +45,16 @@ class Config:
     cache_dir: str = ".cache/cdk-features"
     # model
     method: str = "neuralsvd-jnt"
-    nesting_weights: str = "uniform"  # neuralsvd-jnt only: uniform | harmonic
-    L: int = 512
-    hidden: int = 8192
+    # neuralsvd-jnt only. harmonic: the cpu preset's 300 steps do not order the leading
+    # modes under the paper's uniform weights (README, benchmark).
+    nesting_weights: str = "harmonic"
+    L: int = 256
+    hidden: int = 1024
     mu: float = 16.0
     # optimisation
-    epochs: int = 10
-    batch_size: int = 4096
-    lr: float = 5e-3
+    epochs: int = 60
+    batch_size: int = 512
+    lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max global grad norm; 0 disables
@@ -58,32 +65,36 @@ class Config:
     gallery_topk: int = 8
     out: str = "runs/cdk"
     threads: int = 0  # torch CPU threads; 0 keeps torch's default
-    preset: str = "cpu"
+    preset: str = "cpu"  # the preset these values started from (set by make_config)
 
 
+# Preset name -> its values that differ from Config(); a method name as key holds that
+# method's own values within the preset. cpu: sequential nesting diverges at lr 0.05 (its
+# objective climbs to ~1e3, then collapses) and is stable at 0.005; the nesting weights
+# belong to joint nesting, so the other methods keep the (unused) uniform ones.
 PRESETS: dict[str, dict] = {
-    # Section 4.2 / appendix: MLP 8192 -> 512, mu 16, SGD 5e-3 m 0.9 cosine, batch 4096,
-    # 10 epochs, clipped gradients; P@100 as reported on full Sketchy.
-    "paper": {"k": 100},
-    # Minutes on 2 CPU cores: a smaller head, more (smaller) steps, larger lr to match.
     "cpu": {
-        "L": 256,
-        "hidden": 1024,
-        "batch_size": 512,
-        "epochs": 60,
-        "lr": 0.05,
+        "neuralsvd-seq": {"lr": 0.005, "nesting_weights": "uniform"},
+        "lora": {"nesting_weights": "uniform"},
+    },
+    # Section 4.2 / appendix: MLP 8192 -> 512, mu 16, SGD 5e-3 m 0.9 cosine, batch 4096,
+    # 10 epochs, clipped gradients, uniform nesting weights; P@100 as reported on full
+    # Sketchy.
+    "paper": {
+        "L": 512,
+        "hidden": 8192,
+        "batch_size": 4096,
+        "epochs": 10,
+        "lr": 5e-3,
+        "nesting_weights": "uniform",
+        "k": 100,
     },
 }
+DEFAULT_PRESET = "cpu"
 
-
-# Per-method exceptions to a preset, applied before explicit overrides. cpu: sequential
-# nesting diverges at lr 0.05 (its objective climbs to ~1e3, then collapses) and is stable
-# at 0.005; joint nesting uses harmonic weights, because the preset's 300 steps do not
-# order the leading modes under the paper's uniform weights (README, benchmark).
-METHOD_PRESETS: dict[tuple[str, str], dict] = {
-    ("cpu", "neuralsvd-seq"): {"lr": 0.005},
-    ("cpu", "neuralsvd-jnt"): {"nesting_weights": "harmonic"},
-}
+# Fields that older checkpoints lack, with the value they were trained with where today's
+# default differs (joint nesting used uniform weights before the field existed).
+LEGACY = {"nesting_weights": "uniform"}
 
 
 def nesting_weights(cfg: Config):
@@ -123,59 +134,36 @@ def _check(cfg: Config) -> Config:
     return cfg
 
 
-def make_config(preset: str = "cpu", **overrides) -> Config:
-    """Preset values (with the preset's exceptions for the method), then ``overrides``
-    (which must name existing fields)."""
+def make_config(preset: str = DEFAULT_PRESET, **overrides) -> Config:
+    """The preset's values (with its values for the method), then ``overrides``, which must
+    name existing fields with values of their type."""
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    names = {f.name for f in fields(Config)}
-    unknown = sorted(set(overrides) - names)
-    if unknown:
-        raise ValueError(f"unknown config field(s) {unknown}")
-    method = overrides.get("method", Config.method)
-    values = {**PRESETS[preset], **METHOD_PRESETS.get((preset, method), {})}
-    return _check(Config(**{**values, **overrides, "preset": preset}))
-
-
-def _parse_bool(s: str) -> bool:
-    v = s.lower()
-    if v in ("1", "true", "yes"):
-        return True
-    if v in ("0", "false", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+    table = PRESETS[preset]
+    common = {k: v for k, v in table.items() if k not in METHODS}
+    method = overrides.get("method", common.get("method", Config.method))
+    return _check(cli.build(Config, common, table.get(method, {}), overrides,
+                            {"preset": preset}))
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
-    """``--FIELD VALUE`` for every Config field; ``--data`` is required."""
-    p = argparse.ArgumentParser(
+    """``--FIELD VALUE`` for every Config field and ``--preset``; ``--data`` is required."""
+    parser = cli.build_parser(
+        Config,
         prog="python -m training.cdk",
-        description="Structured sketch/photo embeddings by NestedLoRA on the CDK.",
+        description="Structured sketch/photo embeddings by NestedLoRA on the CDK "
+                    f"(defaults: the {DEFAULT_PRESET} preset).",
+        presets=PRESETS,
+        default_preset=DEFAULT_PRESET,
+        choices={"method": METHODS, "pairing": PAIRINGS, "nesting_weights": NESTING_WEIGHTS},
+        required=("data",),
     )
-    types = {"int": int, "float": float, "str": str, "bool": _parse_bool}
-    choices = {"preset": sorted(PRESETS), "method": list(METHODS), "pairing": list(PAIRINGS),
-               "nesting_weights": list(NESTING_WEIGHTS)}
-    for f in fields(Config):
-        p.add_argument(
-            f"--{f.name}",
-            type=types[f.type if isinstance(f.type, str) else f.type.__name__],
-            choices=choices.get(f.name),
-            required=f.name == "data",
-            default=argparse.SUPPRESS,
-            help=f"(default {f.default!r}, before the preset)",
-        )
-    args = vars(p.parse_args(argv))
-    if not Path(args["data"]).is_dir():
-        p.error(f"--data {args['data']!r} is not a folder")
-    split = args.get("split", Config.split)
-    if split not in ("sketchy1", "sketchy2") and not Path(split).is_file():
-        p.error(f"--split must be sketchy2, sketchy1 or an existing FILE, got {split!r}")
-    preset = args.pop("preset", Config.preset)
-    try:
-        return make_config(preset, **args)
-    except ValueError as e:
-        p.error(str(e))
-        raise  # unreachable: p.error exits
+    cfg = cli.parse(parser, make_config, argv)
+    if not Path(cfg.data).is_dir():
+        parser.error(f"--data {cfg.data!r} is not a folder")
+    if cfg.split not in ("sketchy1", "sketchy2") and not Path(cfg.split).is_file():
+        parser.error(f"--split must be sketchy2, sketchy1 or an existing FILE, got {cfg.split!r}")
+    return cfg
 
 
 def to_dict(cfg: Config) -> dict:
@@ -183,6 +171,7 @@ def to_dict(cfg: Config) -> dict:
 
 
 def from_dict(d: dict) -> Config:
-    """Rebuild a Config stored in a checkpoint (fields added later get their defaults)."""
+    """Rebuild a Config stored in a checkpoint (fields added later get the value older runs
+    were trained with, else their defaults; keys that are no field are ignored)."""
     names = {f.name for f in fields(Config)}
-    return Config(**{k: v for k, v in d.items() if k in names})
+    return Config(**{**LEGACY, **{k: v for k, v in d.items() if k in names}})

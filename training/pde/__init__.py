@@ -5,5 +5,6 @@ Modules: ``problems`` (registry, analytic solutions), ``quadrature`` (evaluation
 ``laplacian`` (finite differences / autograd, the negative Hamiltonian), ``networks``
 (batched disjoint MLPs), ``methods`` and ``baselines`` (update rules), ``config``
 (settings, presets, flags), ``train`` (loop, EMA, checkpoints), ``evaluate`` and
-``metrics`` (the paper's measures), ``grid`` (classical solver), ``plots``, ``run`` (CLI).
+``metrics`` (the paper's measures), ``grid`` (classical solver), ``plots``, ``run`` (the
+pipeline the CLI in ``__main__`` calls).
 """

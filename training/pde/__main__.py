@@ -4,9 +4,24 @@
 from __future__ import annotations
 
 import logging
+import sys
 
+from training.pde.config import parse_args
 from training.pde.run import run
 
-if __name__ == "__main__":
+
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    run()
+    config = parse_args(argv)
+    m = run(config)
+    print(
+        f"{m['problem']} {m['method']}: {m['iterations']} steps in {m['seconds']:.0f}s; "
+        f"rel_error_mean {m['rel_error_mean']:.3g}, "
+        f"subspace_distance_mean {m['subspace_distance_mean']:.3g}, "
+        f"orthogonality {m['orthogonality']:.3g}; wrote {config.out}/metrics.json"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,18 +1,18 @@
 """One frozen dataclass of settings for ``python -m training.pde``, its presets and the
-command-line overrides. The presets depend on the problem (the paper used different
-Fourier features and iteration counts per problem), so a preset is a function of it."""
+command line (training.cli: PROBLEM, then one dashed flag per field). The presets depend on
+the problem (the paper used different Fourier features and iteration counts per problem),
+so a preset is a function of it."""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 from dataclasses import dataclass
 
+from training import cli
 from training.pde.laplacian import LAPLACIANS
 from training.pde.methods import METHODS
 from training.pde.problems import PROBLEMS, Problem, make_problem
 
-__all__ = ["Config", "PRESETS", "preset", "problem_of", "build_parser", "config_from_args"]
+__all__ = ["Config", "PRESETS", "preset", "problem_of", "parse_args"]
 
 
 @dataclass(frozen=True)
@@ -113,60 +113,34 @@ def cpu(problem: Problem) -> dict:
 
 
 PRESETS = {"paper": paper, "cpu": cpu}
+DEFAULT_PRESET = "paper"
 
 
 def preset(name: str, problem: Problem, **overrides) -> Config:
-    """The named preset for a problem, with field overrides (unknown fields are errors)."""
+    """The named preset for a problem, then field overrides (unknown fields or values of
+    the wrong type are errors)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {list(PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(Config)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ValueError(f"unknown config field(s) {unknown}; known: {sorted(fields)}")
-    values = {"problem": problem.name, "ndim": problem.ndim, **PRESETS[name](problem)}
-    return Config(**{**values, **overrides})
+    return cli.build(Config, {"problem": problem.name, "ndim": problem.ndim},
+                     PRESETS[name](problem), overrides)
 
 
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes"):
-        return True
-    if text.lower() in ("0", "false", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+def _from_flags(problem: str, **given) -> Config:
+    """The config of PROBLEM, ``--preset`` and the other flags given."""
+    name = given.pop("preset")
+    return preset(name, make_problem(problem, given.get("ndim")), **given)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """PROBLEM [--preset paper|cpu] and one --flag per Config field; unknown flags error."""
-    parser = argparse.ArgumentParser(
+def parse_args(argv: list[str] | None = None) -> Config:
+    """PROBLEM [--preset paper|cpu] and one dashed flag per other Config field."""
+    parser = cli.build_parser(
+        Config,
         prog="python -m training.pde",
         description="Learn the top eigenfunctions of a Schrodinger operator.",
+        presets=PRESETS,
+        default_preset=DEFAULT_PRESET,
+        choices={"problem": list(PROBLEMS), "method": list(METHODS),
+                 "laplacian": list(LAPLACIANS)},
+        positional=("problem",),
     )
-    parser.add_argument("problem", choices=list(PROBLEMS))
-    parser.add_argument("--preset", choices=list(PRESETS), default="paper")
-    choices = {"method": list(METHODS), "laplacian": list(LAPLACIANS)}
-    for f in dataclasses.fields(Config):
-        if f.name == "problem":
-            continue
-        kind = {int: int, float: float, str: str, bool: _bool}[type(f.default)]
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f.name,
-            type=kind,
-            choices=choices.get(f.name),
-            default=None,
-            help=f"(default: the preset's, else {f.default!r})",
-        )
-    return parser
-
-
-def config_from_args(argv=None) -> Config:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    overrides = {
-        k: v for k, v in vars(args).items() if k not in ("problem", "preset") and v is not None
-    }
-    try:
-        problem = make_problem(args.problem, overrides.get("ndim"))
-        return preset(args.preset, problem, **overrides)
-    except ValueError as e:
-        parser.error(str(e))
+    return cli.parse(parser, _from_flags, argv)

@@ -1,4 +1,5 @@
-"""The command line: train, evaluate, and write OUT/metrics.json and the plots."""
+"""The pipeline of ``python -m training.pde``: train, evaluate, and write OUT/metrics.json
+and the plots."""
 
 from __future__ import annotations
 
@@ -9,16 +10,16 @@ from pathlib import Path
 
 from training.atomic import atomic_write_text
 from training.pde import plots
-from training.pde.config import Config, config_from_args, problem_of
+from training.pde.config import Config, problem_of
 from training.pde.evaluate import aligned_on_grid, evaluate
 from training.pde.train import train
 
-__all__ = ["run", "run_config"]
+__all__ = ["run"]
 
 log = logging.getLogger(__name__)
 
 
-def run_config(config: Config, progress: bool = True) -> dict:
+def run(config: Config, progress: bool = True) -> dict:
     """Train, evaluate the EMA model and write OUT/metrics.json plus PNGs; returns the
     metrics."""
     problem = problem_of(config)
@@ -48,16 +49,4 @@ def run_config(config: Config, progress: bool = True) -> dict:
         )
         plots.eigenfunctions(learned, truth, problem.plot_half_width,
                              out / "eigenfunctions.png", f"{label} (aligned) vs analytic")
-    return metrics
-
-
-def run(argv=None) -> dict:
-    config = config_from_args(argv)
-    metrics = run_config(config)
-    print(
-        f"{metrics['problem']} {metrics['method']}: {metrics['iterations']} steps in "
-        f"{metrics['seconds']:.0f}s; rel_error_mean {metrics['rel_error_mean']:.3g}, "
-        f"subspace_distance_mean {metrics['subspace_distance_mean']:.3g}, "
-        f"orthogonality {metrics['orthogonality']:.3g}; wrote {config.out}/metrics.json"
-    )
     return metrics

@@ -1,0 +1,123 @@
+"""training.cdk.config: Config() is the cpu preset, presets are differences from it, the
+command line follows training.cli, and older checkpoints' configs still load."""
+
+import dataclasses
+
+import pytest
+
+from training.cdk.config import (
+    PRESETS,
+    Config,
+    from_dict,
+    make_config,
+    parse_args,
+    to_dict,
+)
+
+
+@pytest.fixture
+def data_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    return "d"
+
+
+def test_defaults_are_the_cpu_preset():
+    assert make_config("cpu") == Config()
+    assert make_config() == Config() and Config().preset == "cpu"
+    c = Config()
+    assert (c.L, c.hidden, c.batch_size, c.epochs, c.lr, c.k) == (256, 1024, 512, 60, 0.05, 10)
+    assert (c.method, c.nesting_weights, c.mu, c.grad_clip) == ("neuralsvd-jnt", "harmonic",
+                                                                16.0, 1.0)
+
+
+def test_presets_name_only_existing_fields():
+    names = {f.name for f in dataclasses.fields(Config)}
+    for preset, table in PRESETS.items():
+        for key, value in table.items():
+            assert key in names or key in ("neuralsvd-jnt", "neuralsvd-seq", "lora"), key
+            if isinstance(value, dict):
+                assert set(value) <= names, (preset, key)
+
+
+def test_paper_preset():
+    p = make_config("paper")
+    assert (p.L, p.hidden, p.batch_size, p.epochs, p.lr, p.mu, p.momentum, p.k) == \
+        (512, 8192, 4096, 10, 5e-3, 16.0, 0.9, 100)
+    assert p.nesting_weights == "uniform" and p.grad_clip > 0 and p.preset == "paper"
+    for method in ("neuralsvd-seq", "lora"):  # the paper's lr for every method
+        assert make_config("paper", method=method).lr == 5e-3
+
+
+def test_method_values_of_the_cpu_preset():
+    # Sequential nesting diverges at the cpu preset's lr 0.05: 0.005, unless the user sets one.
+    seq = make_config(method="neuralsvd-seq")
+    assert (seq.lr, seq.nesting_weights) == (0.005, "uniform")
+    assert make_config(method="neuralsvd-seq", lr=0.1).lr == 0.1
+    lora = make_config(method="lora")
+    assert (lora.lr, lora.nesting_weights) == (0.05, "uniform")
+    # Joint nesting: harmonic weights in the cpu preset, the paper's uniform ones on request.
+    assert make_config(nesting_weights="uniform").nesting_weights == "uniform"
+    with pytest.raises(ValueError, match="applies to neuralsvd-jnt only, not 'lora'"):
+        make_config(method="lora", nesting_weights="harmonic")
+
+
+def test_make_config_rejects_unknown_fields_and_wrong_types():
+    with pytest.raises(ValueError, match="unknown config field 'batch'"):
+        make_config(batch=8)
+    with pytest.raises(ValueError, match="epochs must be of type int, got '3'"):
+        make_config(epochs="3")
+    with pytest.raises(ValueError, match="preset must be one of"):
+        make_config("gpu")
+
+
+def test_cli_parsing_rules(data_dir):
+    cfg = parse_args(["--data", "d", "--preset", "paper", "--seed", "3"])
+    assert (cfg.L, cfg.hidden, cfg.batch_size, cfg.epochs, cfg.lr, cfg.mu) == \
+        (512, 8192, 4096, 10, 5e-3, 16.0)
+    assert cfg.momentum == 0.9 and cfg.grad_clip > 0 and cfg.seed == 3 and cfg.k == 100
+    assert parse_args(["--data", "d", "--finetune", "true"]).finetune is True
+    assert parse_args(["--data", "d", "--finetune"]).finetune is True
+    assert parse_args(["--data", "d", "--batch-size", "64", "--backbone-lr", "0.01",
+                       "--cache-dir", "c"]) == make_config(data="d", batch_size=64,
+                                                           backbone_lr=0.01, cache_dir="c")
+    for bad in (["--data", "d", "--nosuchflag", "1"], ["--data", "d", "--method", "pca"],
+                ["--data", "d", "--preset", "gpu"], ["--data", "d", "--epochs", "two"],
+                ["--data", "d", "--backbone", "resnet"], ["--split", "sketchy2"],
+                ["--data", "d", "--L", "0"], ["--data", "nodir"],
+                ["--data", "d", "--split", "sketchy3"],
+                ["--data", "d", "--batch_size", "64"],  # the old underscore flags are gone
+                ["--data", "d", "--nesting-weights", "linear"],
+                ["--data", "d", "--method", "lora", "--nesting-weights", "harmonic"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    assert parse_args(["--data", "d", "--nesting-weights", "uniform"]).nesting_weights == \
+        "uniform"
+    # The preset's values for the method, unless the user sets them; no need to pass
+    # --nesting-weights uniform with a method that does not nest jointly.
+    assert parse_args(["--data", "d", "--method", "neuralsvd-seq"]).lr == 0.005
+    assert parse_args(["--data", "d", "--method", "neuralsvd-seq", "--lr", "0.1"]).lr == 0.1
+    assert parse_args(["--data", "d", "--method", "lora"]).lr == 0.05
+    assert parse_args(["--data", "d"]).nesting_weights == "harmonic"
+    assert parse_args(["--data", "d", "--preset", "paper"]).nesting_weights == "uniform"
+
+
+def test_help_lists_every_field(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(Config):
+        assert "--" + f.name.replace("_", "-") in out
+    assert "default: 256" in out and "paper: L=512" in out
+
+
+def test_from_dict_loads_older_checkpoints():
+    cfg = make_config("paper", method="lora", seed=2)
+    assert from_dict(to_dict(cfg)) == cfg
+    # A checkpoint written before nesting_weights existed was trained with uniform weights
+    # (today's default is the cpu preset's harmonic); keys that are no field are ignored.
+    old = {k: v for k, v in to_dict(make_config(nesting_weights="uniform")).items()
+           if k not in ("nesting_weights", "pairing")}
+    loaded = from_dict({**old, "untrained": True})
+    assert loaded.nesting_weights == "uniform" and loaded.pairing == "class"
+    assert loaded == make_config(nesting_weights="uniform")
