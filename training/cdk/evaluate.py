@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.atomic import atomic_savefig
+from training.files import atomic_savefig
 
 __all__ = ["retrieval_metrics", "structure_curves", "orthogonality", "power_of_two_dims",
            "plot_structure", "plot_spectrum", "plot_gallery", "cosine_scores_metrics",

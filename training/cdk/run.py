@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from training.atomic import atomic_write_text
+from training.files import atomic_write_text
 
 from .backbones import build_backbone
 from .config import Config, to_dict

@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from training.atomic import atomic_savefig  # noqa: E402
+from training.files import atomic_savefig  # noqa: E402
 
 __all__ = ["eigenfunctions", "orthogonality", "errors_per_mode"]
 

@@ -7,7 +7,7 @@ import json
 import logging
 from pathlib import Path
 
-from training.atomic import atomic_write_text
+from training.files import atomic_write_text
 from training.pde import plots
 from training.pde.config import Config, config_from_args, problem_of
 from training.pde.evaluate import aligned_on_grid, evaluate

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from training.atomic import atomic_save
 from training.device import pick_device
+from training.files import atomic_save
 from training.pde.config import Config, problem_of
 from training.pde.laplacian import negative_hamiltonian
 from training.pde.methods import make_method
