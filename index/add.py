@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from index.gallery import embed_photos, scan_gallery
-from index.model import Embedder, load_embedder
 from index.store import Sidecar, load_index, now_utc, write_index
+from training.cdk.embedder import Embedder
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     set_threads(cfg.threads)
     checkpoint = cfg.checkpoint or read_sidecar(cfg.index).checkpoint
-    embedder = load_embedder(checkpoint, device=cfg.device)
+    embedder = Embedder.from_checkpoint(checkpoint, device=cfg.device)
     print_append(append_photos(embedder, cfg.index, cfg.photos, cfg.batch_size, cfg.progress))
     return 0
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from index.gallery import embed_photos, scan_gallery
 from index.kinds import KINDS, choose_kind, recall_at_k
-from index.model import Embedder, load_embedder
 from index.store import (
     FORMAT_VERSION,
     METRIC,
@@ -28,6 +27,7 @@ from index.store import (
     now_utc,
     write_index,
 )
+from training.cdk.embedder import Embedder
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     set_threads(cfg.threads)
-    embedder = load_embedder(cfg.checkpoint, device=cfg.device)
+    embedder = Embedder.from_checkpoint(cfg.checkpoint, device=cfg.device)
     if cfg.append:
         from index.add import append_photos, print_append
 

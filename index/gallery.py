@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from index.model import Embedder
+from training.cdk.embedder import Embedder
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from index.kinds import gpu_available, to_gpu
-from index.model import Embedder, load_embedder
 from index.store import GalleryIndex, IndexCorruptError, load_index, read_sidecar
 from service.images import decode_image
 from service.settings import Settings
+from training.cdk.embedder import Embedder
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def load_engine(settings: Settings) -> RetrievalEngine:
     torch.set_num_threads(settings.threads)
     faiss.omp_set_num_threads(settings.threads)
     checkpoint = find_checkpoint(settings)
-    embedder = load_embedder(checkpoint, device=settings.device)
+    embedder = Embedder.from_checkpoint(checkpoint, device=settings.device)
     gallery = load_index(settings.index, checkpoint_sha256=embedder.checkpoint_sha256, mmap=True)
     if gpu_available() and gallery.sidecar.kind in ("flat", "ivf"):
         gallery.index = to_gpu(gallery.index)  # HNSW has no GPU version in FAISS
