@@ -38,7 +38,7 @@ def run_config(config: Config, progress: bool = True) -> dict:
     }
     atomic_write_text(json.dumps(metrics, indent=1), out / "metrics.json")
     label = f"{problem.name} {config.method}"
-    plots.orthogonality(result["gram"], out / "orthogonality.png", f"{label}: orthogonality")
+    plots.plot_gram(result["gram"], out / "orthogonality.png", f"{label}: orthogonality")
     plots.errors_per_mode(
         {config.method: m["rel_errors"]}, out / "errors.png", f"{label}: eigenvalue errors"
     )
