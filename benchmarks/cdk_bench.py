@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from training.cdk.config import PRESETS, make_config
-from training.cdk.evaluate import plot_structure
+from training.cdk.plots import plot_structure
 from training.cdk.run import run
 from training.files import atomic_write_text
 

@@ -1,6 +1,6 @@
 """Embed sketches and photos with a trained CDK checkpoint.
 
-Retrieval score convention (used by training.cdk.evaluate, the index and the service):
+Retrieval score convention (used by training.cdk.metrics, the index and the service):
 score(x, y; d) = <f_{1:d}(x), g_{1:d}(y)>, the plain inner product of the d-prefixes of the
 sketch embedding f and the photo embedding g (no normalisation). A query zero-padded past d
 in a flat inner-product index therefore gives exactly the d-prefix search.

@@ -17,17 +17,15 @@ from training.files import atomic_write_text
 from .backbones import build_backbone
 from .config import Config, to_dict
 from .data import scan
-from .evaluate import (
+from .features import extract_features
+from .metrics import (
     cosine_scores_metrics,
-    orthogonality,
+    orthogonality_stats,
     pca_curves,
-    plot_gallery,
-    plot_spectrum,
-    plot_structure,
     retrieval_metrics,
     structure_curves,
 )
-from .features import extract_features
+from .plots import plot_gallery, plot_spectrum, plot_structure
 from .splits import split_classes
 from .train import TrainData, train
 
@@ -57,13 +55,13 @@ def embed_features(head, feats: torch.Tensor, device) -> torch.Tensor:
                       for i in range(0, len(feats), 8192)])
 
 
-def _train_orthogonality(res, tr_s, tr_p, device) -> dict:
+def _train_orthogonality_stats(res, tr_s, tr_p, device) -> dict:
     """Orthogonality of the learned functions on the training classes (frozen backbones
     only; the fine-tuned ones would need the training images again)."""
     if res.backbones is not None:
         return {}
-    return {"sketch": orthogonality(embed_features(res.heads["sketch"], tr_s, device)),
-            "photo": orthogonality(embed_features(res.heads["photo"], tr_p, device))}
+    return {"sketch": orthogonality_stats(embed_features(res.heads["sketch"], tr_s, device)),
+            "photo": orthogonality_stats(embed_features(res.heads["photo"], tr_p, device))}
 
 
 def run(cfg: Config) -> dict:
@@ -125,8 +123,8 @@ def run(cfg: Config) -> dict:
         "precision_by_dims_least": {str(d): m["precision_at_k"]
                                     for d, m in curves["least"].items()},
         "singular_values": res.singular_values.tolist(),
-        "orthogonality_test": {"sketch": orthogonality(f), "photo": orthogonality(g)},
-        "orthogonality_train": _train_orthogonality(res, tr_s, tr_p, dev),
+        "orthogonality_test": {"sketch": orthogonality_stats(f), "photo": orthogonality_stats(g)},
+        "orthogonality_train": _train_orthogonality_stats(res, tr_s, tr_p, dev),
         "raw_backbone_cosine": raw,
         # the same raw features cut to their top-d principal axes (fit on training classes)
         "raw_backbone_pca_map_by_dims": {str(d): m["map_all"]
