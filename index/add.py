@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from index.gallery import embed_photos, scan_gallery
-from index.store import Sidecar, load_index, now_utc, write_index
+from index.store import Sidecar, load_index, now_utc, read_sidecar, write_index
+from index.threads import set_threads
 from training.cdk.embedder import Embedder
 
 log = logging.getLogger(__name__)
@@ -105,9 +106,6 @@ def parse_args(argv: list[str] | None = None) -> AddConfig:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    from index.build import set_threads
-    from index.store import read_sidecar
-
     set_threads(cfg.threads)
     checkpoint = cfg.checkpoint or read_sidecar(cfg.index).checkpoint
     embedder = Embedder.from_checkpoint(checkpoint, device=cfg.device)

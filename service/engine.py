@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from index.kinds import gpu_available, to_gpu
+from index.gpu import gpu_available, to_gpu
 from index.store import GalleryIndex, IndexCorruptError, load_index, read_sidecar
+from index.threads import set_threads
 from service.images import decode_image
 from service.settings import Settings
 from training.cdk.embedder import Embedder
@@ -141,10 +142,7 @@ def find_checkpoint(settings: Settings) -> Path:
 
 def load_engine(settings: Settings) -> RetrievalEngine:
     """Load the model and the index once (at startup), checking they belong together."""
-    import faiss
-
-    torch.set_num_threads(settings.threads)
-    faiss.omp_set_num_threads(settings.threads)
+    set_threads(settings.threads)
     checkpoint = find_checkpoint(settings)
     embedder = Embedder.from_checkpoint(checkpoint, device=settings.device)
     gallery = load_index(settings.index, checkpoint_sha256=embedder.checkpoint_sha256, mmap=True)

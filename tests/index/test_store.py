@@ -10,7 +10,8 @@ import index.build as build_mod
 from index import add as add_mod
 from index.build import build_index
 from index.gallery import embed_photos, scan_gallery
-from index.kinds import KINDS, recall_at_k
+from index.kinds import KINDS
+from index.search import recall_at_k
 from index.store import (
     META_FILE,
     SIDECAR_FILE,
