@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,10 +85,6 @@ def _gather_rows(x: torch.Tensor, world: int, rank: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _cosine(total: int):
-    return lambda step: 0.5 * (1.0 + math.cos(math.pi * min(step, total) / total))
-
-
 def _comparable(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k not in RUNTIME_FIELDS}
 
@@ -155,7 +150,8 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
         groups.append({"params": list(model.backbones.parameters()), "lr": cfg.backbone_lr})
     opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(steps * cfg.epochs))
+    # one scheduler step per optimizer step: the lr reaches 0 at the last step of the run
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps * cfg.epochs)
     m_vec, m_mat = nesting_masks(cfg.L, NESTING_OF[cfg.method], nesting_weights(cfg),
                                  constant_mode=True)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -53,9 +52,7 @@ def train(config: Config, progress: bool = True) -> tuple[DisjointMLPs, dict]:
     params = list(model.parameters())
     optimizer = torch.optim.RMSprop(params, lr=config.lr)
     T = config.iterations
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda t: 0.5 * (1 + math.cos(math.pi * min(t, T) / T))
-    )
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=T)  # lr -> 0 at T
     gen = torch.Generator().manual_seed(config.seed + 1)
     step, seconds, running = 0, 0.0, torch.zeros(L, dtype=torch.float64)
 
