@@ -95,9 +95,8 @@ class RetrievalEngine:
     def retrieve(self, uploads: list[tuple[str, bytes]], dims: int, k: int
                  ) -> tuple[list[list[Hit]], Timings]:
         """Top-k photos for each uploaded sketch, scored on the first `dims` modes."""
-        if not 1 <= dims <= self.dims:
-            raise DimsError(f"dims={dims} is outside [1, {self.dims}] (the index stores "
-                            f"{self.dims} of L={self.embedder.L} modes)")
+        if not 1 <= dims <= self.dims:  # the one check of dims against the index
+            raise DimsError(f"dims={dims} is outside [1, {self.dims}]")
         timings = Timings()
         t0 = time.perf_counter()
         images = [decode_image(data, name, self.max_pixels) for name, data in uploads]
