@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from training.atomic import atomic_write_text
 from training.cdk.config import PRESETS, make_config
-from training.cdk.evaluate import plot_structure
+from training.cdk.plots import plot_structure
 from training.cdk.run import run
+from training.files import atomic_write_text
 
 METHODS = ("lora", "neuralsvd-seq", "neuralsvd-jnt")
 FRACTION_DIMS = (16, 32, 64, 128)

@@ -23,13 +23,13 @@ import torch
 
 from training.device import pick_device
 from training.pde import plots
+from training.pde.checkpoint import build_model
 from training.pde.config import preset
 from training.pde.grid import solve_grid
 from training.pde.laplacian import negative_hamiltonian
 from training.pde.methods import make_method
 from training.pde.problems import make_problem
 from training.pde.run import run
-from training.pde.train import build_model
 
 METHODS = ["neuralsvd-seq", "neuralsvd-jnt", "neuralef", "spin"]
 

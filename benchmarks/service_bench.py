@@ -48,8 +48,8 @@ def prepare_index(out: Path, data: Path, classes: int | None) -> Path:
     import torch
 
     from index.build import build_index
-    from index.model import load_embedder
     from training.cdk.checkpoint import init_checkpoint
+    from training.cdk.embedder import Embedder
 
     torch.set_num_threads(2)
     photos = data / "photo"
@@ -62,7 +62,7 @@ def prepare_index(out: Path, data: Path, classes: int | None) -> Path:
                 if not link.exists():
                     link.symlink_to(f)
     ckpt = init_checkpoint(out / "checkpoint.pt", L=256, hidden=1024, image_size=224)
-    build_index(load_embedder(ckpt, device="cpu"), photos, out / "index", ckpt)
+    build_index(Embedder.from_checkpoint(ckpt, device="cpu"), photos, out / "index", ckpt)
     return out / "index"
 
 

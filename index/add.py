@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from index.gallery import embed_photos, scan_gallery
-from index.model import Embedder, load_embedder
-from index.store import Sidecar, load_index, now_utc, write_index
+from index.store import Sidecar, load_index, now_utc, read_sidecar, write_index
+from index.threads import set_threads
 from training import cli
+from training.cdk.embedder import Embedder
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +101,9 @@ def parse_args(argv: list[str] | None = None) -> AddConfig:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    from index.build import set_threads
-    from index.store import read_sidecar
-
     set_threads(cfg.threads)
     checkpoint = cfg.checkpoint or read_sidecar(cfg.index).checkpoint
-    embedder = load_embedder(checkpoint, device=cfg.device)
+    embedder = Embedder.from_checkpoint(checkpoint, device=cfg.device)
     print_append(append_photos(embedder, cfg.index, cfg.photos, cfg.batch_size, cfg.progress))
     return 0
 

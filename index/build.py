@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from index.add import append_photos, print_append
 from index.gallery import embed_photos, scan_gallery
-from index.kinds import KINDS, choose_kind, recall_at_k
-from index.model import Embedder, load_embedder
+from index.kinds import KINDS, choose_kind
+from index.search import recall_at_k
 from index.store import (
     FORMAT_VERSION,
     METRIC,
@@ -27,7 +28,9 @@ from index.store import (
     now_utc,
     write_index,
 )
+from index.threads import set_threads
 from training import cli
+from training.cdk.embedder import Embedder
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     set_threads(cfg.threads)
-    embedder = load_embedder(cfg.checkpoint, device=cfg.device)
+    embedder = Embedder.from_checkpoint(cfg.checkpoint, device=cfg.device)
     if cfg.append:
-        from index.add import append_photos, print_append
-
         print_append(append_photos(embedder, cfg.out, cfg.photos, cfg.batch_size, cfg.progress))
         return 0
     report = build_index(
@@ -137,15 +138,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  recall@{cfg.recall_k} vs exact at d={d}: {r:.4f}")
     print(f"serve it: python -m service --index {report.out}")
     return 0
-
-
-def set_threads(n: int) -> None:
-    """Bound CPU threads of torch and FAISS (shared machines, many workers)."""
-    import faiss
-    import torch
-
-    torch.set_num_threads(max(1, n))
-    faiss.omp_set_num_threads(max(1, n))
 
 
 if __name__ == "__main__":

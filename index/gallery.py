@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from index.model import Embedder
+from training.cdk.embedder import Embedder
 from training.folders import DataError
 from training.folders import scan_gallery as scan_folder
 from training.images import load_image

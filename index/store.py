@@ -22,7 +22,7 @@ import faiss
 import numpy as np
 
 from index.gallery import Photo
-from index.kinds import pad_queries
+from index.search import pad_queries
 
 log = logging.getLogger(__name__)
 

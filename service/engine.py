@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from index.kinds import gpu_available, to_gpu
-from index.model import Embedder, load_embedder
+from index.gpu import gpu_available, to_gpu
 from index.store import GalleryIndex, IndexCorruptError, load_index, read_sidecar
+from index.threads import set_threads
 from service.settings import Settings
+from training.cdk.embedder import Embedder
 from training.images import decode_image
 
 log = logging.getLogger(__name__)
@@ -96,9 +97,8 @@ class RetrievalEngine:
     def retrieve(self, uploads: list[tuple[str, bytes]], dims: int, k: int
                  ) -> tuple[list[list[Hit]], Timings]:
         """Top-k photos for each uploaded sketch, scored on the first `dims` modes."""
-        if not 1 <= dims <= self.dims:
-            raise DimsError(f"dims={dims} is outside [1, {self.dims}] (the index stores "
-                            f"{self.dims} of L={self.embedder.L} modes)")
+        if not 1 <= dims <= self.dims:  # the one check of dims against the index
+            raise DimsError(f"dims={dims} is outside [1, {self.dims}]")
         timings = Timings()
         t0 = time.perf_counter()
         images = [decode_image(data, name, self.max_pixels, formats=SKETCH_FORMATS)
@@ -144,12 +144,9 @@ def find_checkpoint(settings: Settings) -> Path:
 
 def load_engine(settings: Settings) -> RetrievalEngine:
     """Load the model and the index once (at startup), checking they belong together."""
-    import faiss
-
-    torch.set_num_threads(settings.threads)
-    faiss.omp_set_num_threads(settings.threads)
+    set_threads(settings.threads)
     checkpoint = find_checkpoint(settings)
-    embedder = load_embedder(checkpoint, device=settings.device)
+    embedder = Embedder.from_checkpoint(checkpoint, device=settings.device)
     gallery = load_index(settings.index, checkpoint_sha256=embedder.checkpoint_sha256, mmap=True)
     if gpu_available() and gallery.sidecar.kind in ("flat", "ivf"):
         gallery.index = to_gpu(gallery.index)  # HNSW has no GPU version in FAISS

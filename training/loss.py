@@ -15,7 +15,8 @@ singular values:
   treating the modes before it as fixed: m_l = 1 and M_il = 1{i <= l}.
 
 Both are served by one gradient formula, (d/df_l) = 2 {-m_l T*g_l + sum_i M_il f_i <g_i, g_l>},
-implemented here by hand (about twice as fast as autograd of the objective; see benchmarks/).
+implemented here by hand (x1.04-1.48 the speed of autograd of the objective, most at large
+B L^2; benchmarks/loss_bench.py).
 Every estimator returns the objective's minibatch estimate as a scalar, so it can be logged,
 and backpropagates the unbiased NestedLoRA gradient into f and g. The operator outputs
 (Tf, Tg, Tadj_f) are inputs, never differentiated.

@@ -29,9 +29,11 @@ STATUS = {
     ImageTooLargeError: 413,
 }
 
-DimsParam = Annotated[int | None, Query(description="modes used for scoring, 1..stored dims "
-                                                    "(default: all stored)")]
-KParam = Annotated[int | None, Query(description="number of photos returned, 1..max_k")]
+# Static bounds here; the upper ones depend on the index (dims, checked by the engine) and
+# on the settings (k <= max_k, checked in resolve_params).
+DimsParam = Annotated[int | None, Query(ge=1, description="modes used for scoring, 1..stored "
+                                                          "dims (default: all stored)")]
+KParam = Annotated[int | None, Query(ge=1, description="number of photos returned, 1..max_k")]
 
 
 def http_error(err: ImageError | DimsError) -> HTTPException:
@@ -42,11 +44,10 @@ def http_error(err: ImageError | DimsError) -> HTTPException:
 
 def resolve_params(engine: RetrievalEngine, settings: Settings, dims: int | None,
                    k: int | None) -> tuple[int, int]:
+    """Defaults for omitted parameters, and the settings' bound on k."""
     dims = engine.dims if dims is None else dims
     k = settings.default_k if k is None else k
-    if not 1 <= dims <= engine.dims:
-        raise HTTPException(422, f"dims={dims} is outside [1, {engine.dims}]")
-    if not 1 <= k <= settings.max_k:
+    if k > settings.max_k:
         raise HTTPException(422, f"k={k} is outside [1, {settings.max_k}]")
     return dims, k
 

@@ -11,7 +11,7 @@ from training.cdk.__main__ import main
 from training.cdk.checkpoint import load_checkpoint
 from training.cdk.data import scan
 from training.cdk.embedder import Embedder
-from training.cdk.evaluate import retrieval_metrics
+from training.cdk.metrics import retrieval_metrics
 from training.images import load_image
 
 CLASSES = ("airplane", "bat", "cow", "door", "pear")

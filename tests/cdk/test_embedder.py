@@ -65,6 +65,8 @@ def test_not_a_checkpoint_is_a_clear_error(tmp_path):
     torch.save({"weights": torch.zeros(2)}, bad)
     with pytest.raises(ValueError, match="not a sketchsvd CDK checkpoint"):
         Embedder.from_checkpoint(bad)
+    with pytest.raises(FileNotFoundError, match=r"checkpoint '.*gone.pt' does not exist"):
+        Embedder.from_checkpoint(tmp_path / "gone.pt")
     junk = tmp_path / "y.pt"
     junk.write_bytes(b"junk")
     with pytest.raises(ValueError, match="y.pt"):

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from training.cdk.evaluate import (
+from training.cdk.metrics import (
     cosine_scores_metrics,
-    orthogonality,
+    orthogonality_stats,
     pca_curves,
     power_of_two_dims,
     retrieval_metrics,
@@ -107,12 +107,12 @@ def test_power_of_two_dims():
     assert power_of_two_dims(1) == [1]
 
 
-def test_orthogonality():
+def test_orthogonality_stats():
     q, _ = torch.linalg.qr(torch.randn(50, 4, dtype=torch.float64))
     q = q - q.mean(0)  # remove the constant direction, then re-orthogonalise
     q, _ = torch.linalg.qr(q)
-    o = orthogonality(q * torch.tensor([3.0, 2.0, 1.0, 0.5], dtype=torch.float64))
+    o = orthogonality_stats(q * torch.tensor([3.0, 2.0, 1.0, 0.5], dtype=torch.float64))
     assert o["max_abs_offdiag"] < 1e-10 and o["max_abs_mean_ratio"] < 1e-10
     z = torch.randn(200, 2, dtype=torch.float64)
     z[:, 1] = z[:, 0]
-    assert orthogonality(z)["max_abs_offdiag"] == pytest.approx(1.0)
+    assert orthogonality_stats(z)["max_abs_offdiag"] == pytest.approx(1.0)

@@ -62,6 +62,9 @@ def test_resume_after_interruption_equals_uninterrupted(tmp_path, monkeypatch):
         for k, v in full[m].items():
             torch.testing.assert_close(cut[m][k], v)
     assert ck2["train_state"] is None and len(ck2["history"]) == 3
+    # cosine schedule over the whole run, also across the restart: lr = lr0 (1 + cos(pi e / E)) / 2
+    cosine = [0.5 * cfg.lr * (1 + np.cos(np.pi * e / cfg.epochs)) for e in (1, 2, 3)]
+    np.testing.assert_allclose([h["lr"] for h in ck2["history"]], cosine, atol=1e-12)
     torch.testing.assert_close(res.singular_values, ck["singular_values"])
     # A different config in the same folder is refused, not silently mixed.
     with pytest.raises(ValueError, match="lr"):

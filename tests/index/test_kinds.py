@@ -2,7 +2,9 @@ import faiss
 import numpy as np
 import pytest
 
-from index.kinds import AUTO_FLAT_MAX, choose_kind, gpu_available, pad_queries, to_gpu
+from index.gpu import gpu_available, to_gpu
+from index.kinds import AUTO_FLAT_MAX, choose_kind
+from index.search import pad_queries
 
 
 def test_kind_chosen_by_size_or_name():

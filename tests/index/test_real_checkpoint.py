@@ -52,8 +52,8 @@ def test_other_checkpoint_is_refused(tmp_path, real_index):
 
 
 def test_index_rankings_reproduce_training_evaluation(real_embedder, real_index, small_gallery):
-    """mAP@all from FAISS results equals training.cdk.evaluate's brute-force mAP for every d."""
-    from training.cdk.evaluate import retrieval_metrics
+    """mAP@all from FAISS results equals training.cdk.metrics's brute-force mAP for every d."""
+    from training.cdk.metrics import retrieval_metrics
 
     ix = load_index(real_index, checkpoint_sha256=real_embedder.checkpoint_sha256)
     root, photos = scan_gallery(small_gallery)

@@ -10,7 +10,8 @@ import index.build as build_mod
 from index import add as add_mod
 from index.build import build_index
 from index.gallery import embed_photos, scan_gallery
-from index.kinds import KINDS, recall_at_k
+from index.kinds import KINDS
+from index.search import recall_at_k
 from index.store import (
     META_FILE,
     SIDECAR_FILE,
@@ -195,8 +196,8 @@ def test_append_refuses_other_checkpoint_and_id_clash(tmp_path, embedder):
 
 
 def test_cli_build_and_append(tmp_path, gallery, embedder, monkeypatch, capsys):
-    monkeypatch.setattr(build_mod, "load_embedder", lambda path, device=None: embedder)
-    monkeypatch.setattr(add_mod, "load_embedder", lambda path, device=None: embedder)
+    # both commands load through the one Embedder class
+    monkeypatch.setattr(build_mod.Embedder, "from_checkpoint", lambda path, device=None: embedder)
     out = tmp_path / "ix"
     assert build_mod.main(["--checkpoint", "ck.pt", "--photos", str(gallery), "--out", str(out),
                            "--dims", "4", "--kind", "ivf", "--no-progress", "--threads", "1"]) == 0

@@ -89,16 +89,16 @@ def test_mixing_two_subspaces_by_a_known_angle(truth):
     assert out["orthogonality"] < 1e-24  # still orthonormal
 
 
-def test_orthogonality_of_a_known_perturbation(truth):
+def test_orthogonality_error_of_a_known_perturbation(truth):
     psi, w, lam, ev = truth
     eps = 0.2
     f = psi.clone()
     f[:, 5] = psi[:, 5] + eps * psi[:, 2]  # <normalised f5, f2> = eps / sqrt(1 + eps^2)
     L = f.shape[1]
     expected = 2 * eps**2 / (1 + eps**2) / L**2
-    assert metrics.orthogonality(f, w).item() == pytest.approx(expected, rel=1e-9)
+    assert metrics.orthogonality_error(f, w).item() == pytest.approx(expected, rel=1e-9)
     # scaling a column does not change it: the measure is on normalised functions
-    assert metrics.orthogonality(3 * f, w).item() == pytest.approx(expected, rel=1e-9)
+    assert metrics.orthogonality_error(3 * f, w).item() == pytest.approx(expected, rel=1e-9)
 
 
 def test_norm_eigenvalues_and_relative_errors(truth):

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 import training.pde.train as train_module
+from training.pde.checkpoint import load_checkpoint
 from training.pde.config import preset
 from training.pde.problems import make_problem
-from training.pde.train import load_checkpoint, train
+from training.pde.train import train
 
 
 def _config(out, **kw):

@@ -180,15 +180,25 @@ def test_missing_file_field(client):
 
 
 @pytest.mark.parametrize("params,message", [
-    ({"dims": 0}, "dims=0 is outside [1, 8]"),
-    ({"dims": 9}, "dims=9 is outside [1, 8]"),
-    ({"dims": -3}, "dims=-3 is outside [1, 8]"),
-    ({"k": 0}, "k=0 is outside [1, 20]"),
-    ({"k": 21}, "k=21 is outside [1, 20]"),
+    ({"dims": 9}, "dims=9 is outside [1, 8]"),  # the index's bound (engine)
+    ({"k": 21}, "k=21 is outside [1, 20]"),  # the settings' bound (route)
 ])
-def test_dims_and_k_out_of_range(client, params, message):
+def test_dims_and_k_above_their_bounds(client, params, message):
     r = post(client, sketch_png(), **params)
     assert r.status_code == 422 and r.json()["detail"] == message
+    batch = client.post("/retrieve/batch", params=params,
+                        files=[("files", ("s.png", sketch_png(), "image/png"))])
+    assert batch.status_code == 422 and batch.json()["detail"] == message
+
+
+@pytest.mark.parametrize("params", [{"dims": 0}, {"dims": -3}, {"k": 0}])
+def test_dims_and_k_below_one_are_refused_at_the_edge(client, params):
+    (name, value), = params.items()
+    r = post(client, sketch_png(), **params)
+    assert r.status_code == 422
+    (error,) = r.json()["detail"]  # FastAPI's validation answer names the parameter
+    assert error["loc"] == ["query", name] and error["input"] == str(value)
+    assert error["type"] == "greater_than_equal"
 
 
 def test_non_integer_dims(client):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from training.atomic import atomic_save
+from training.files import atomic_save
 
 from .backbones import Backbone, build_backbone
 from .config import make_config, to_dict

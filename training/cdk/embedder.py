@@ -1,6 +1,6 @@
 """Embed sketches and photos with a trained CDK checkpoint.
 
-Retrieval score convention (used by training.cdk.evaluate, the index and the service):
+Retrieval score convention (used by training.cdk.metrics, the index and the service):
 score(x, y; d) = <f_{1:d}(x), g_{1:d}(y)>, the plain inner product of the d-prefixes of the
 sketch embedding f and the photo embedding g (no normalisation). A query zero-padded past d
 in a flat inner-product index therefore gives exactly the d-prefix search.
@@ -8,7 +8,6 @@ in a flat inner-product index therefore gives exactly the d-prefix search.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ import torch
 from PIL import Image
 
 from training.device import pick_device
+from training.files import file_sha256
 from training.images import images_to_tensor
 
 from .backbones import Backbone, bare_backbone
@@ -23,14 +23,6 @@ from .checkpoint import load_checkpoint
 from .model import MODALITIES, Head
 
 __all__ = ["Embedder"]
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _check_modality(modality: str) -> None:
@@ -80,7 +72,7 @@ class Embedder:
         """Rebuild backbones and heads from ``path``; ValueError if it is not a CDK checkpoint."""
         path = Path(path)
         ckpt = load_checkpoint(path)
-        return cls(ckpt, _sha256_file(path), device)
+        return cls(ckpt, file_sha256(path), device)
 
     def preprocess(self, images: list[Image.Image], modality: str) -> torch.Tensor:
         """PIL images (any mode; transparent sketch pixels -> white) -> (N, 3, H, W) on device."""

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from training.atomic import atomic_save
 from training.device import pick_device
+from training.files import atomic_save
 from training.images import images_to_tensor, load_image
 
 from .backbones import Backbone, weights_fingerprint

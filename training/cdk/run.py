@@ -5,48 +5,85 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from training.atomic import atomic_write_text
+from training.files import atomic_write_text
 
-from .backbones import build_backbone
+from . import distributed
+from .backbones import Backbone, build_backbone
 from .config import Config, to_dict
-from .data import scan
-from .evaluate import (
+from .data import Dataset, scan
+from .features import extract_features
+from .metrics import (
     cosine_scores_metrics,
-    orthogonality,
+    orthogonality_stats,
     pca_curves,
-    plot_gallery,
-    plot_spectrum,
-    plot_structure,
     retrieval_metrics,
     structure_curves,
 )
-from .features import extract_features
+from .plots import plot_gallery, plot_spectrum, plot_structure
 from .splits import split_classes
-from .train import TrainData, train
+from .train import TrainData, TrainResult, train
 
-__all__ = ["run", "embed_features"]
+__all__ = ["run", "embed_features", "Evaluation", "evaluate", "metrics_json"]
 
 log = logging.getLogger(__name__)
 
 
-def _init_distributed() -> torch.device | None:
-    """Join the torchrun process group when launched with WORLD_SIZE > 1."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
-        return None
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl")
-        return torch.device("cuda", local)
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
+def run(cfg: Config) -> dict:
+    """Train and evaluate per ``cfg``; returns the metrics written to out/metrics.json
+    (an empty dict on the ranks other than 0 of a multi-process run)."""
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    device = distributed.init_from_env()
+    out = Path(cfg.out)
+    split, tr, te = load_data(cfg)
+    bb = build_backbone(cfg.backbone, cfg.backbone_weights or None)
+    # rank 0 fills the feature cache, the other ranks then read it
+    tr_s, tr_p = distributed.main_first(
+        lambda: (_features(cfg, bb, tr.sketches, "train sketches", device),
+                 _features(cfg, bb, tr.photos, "train photos", device)))
+    t0 = time.perf_counter()
+    res = train(cfg, _train_data(cfg, tr, tr_s, tr_p), bb, out, device=device)
+    train_seconds = time.perf_counter() - t0
+    if distributed.rank_and_world()[0] != 0:
+        distributed.shutdown()  # waits for rank 0's evaluation
+        return {}
+    ev = evaluate(cfg, bb, res, te, tr_s, tr_p, device)
+    metrics = metrics_json(cfg, split, te, res, ev, train_seconds)
+    atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")
+    write_plots(cfg, te, res, ev, out)
+    distributed.shutdown()
+    return metrics
+
+
+def load_data(cfg: Config) -> tuple[dict, Dataset, Dataset]:
+    """(class split, training classes, test classes) of ``cfg.data``."""
+    ds = scan(cfg.data)
+    split = split_classes(cfg.split, list(ds.classes))
+    tr, te = ds.restrict(split["train"]), ds.restrict(split["test"])
+    log.info("split %s: %d train classes (%d sketches, %d photos), %d test classes "
+             "(%d sketches, %d photos)", cfg.split, len(tr.classes), len(tr.sketches),
+             len(tr.photos), len(te.classes), len(te.sketches), len(te.photos))
+    return split, tr, te
+
+
+def _features(cfg: Config, bb: Backbone, files, desc: str, device,
+              module=None) -> torch.Tensor:
+    """(N, D) backbone features of ``files`` through the on-disk cache; ``module``: a
+    fine-tuned backbone instead of the pretrained one."""
+    return extract_features(files, bb, cfg.image_size, cfg.cache_dir, module=module,
+                            device=device, desc=desc)
+
+
+def _train_data(cfg: Config, tr: Dataset, tr_s: torch.Tensor, tr_p: torch.Tensor) -> TrainData:
+    return TrainData(tr_s, tr_p, tr.sketch_labels, tr.photo_labels,
+                     tr.instance_pairs() if cfg.pairing == "instance" else None,
+                     list(tr.sketches), list(tr.photos))
 
 
 @torch.no_grad()
@@ -57,82 +94,75 @@ def embed_features(head, feats: torch.Tensor, device) -> torch.Tensor:
                       for i in range(0, len(feats), 8192)])
 
 
-def _train_orthogonality(res, tr_s, tr_p, device) -> dict:
+@dataclass
+class Evaluation:
+    """What the test classes say about a trained model, and the raw-feature baselines."""
+
+    f: torch.Tensor  # (Qs, L) test sketch embeddings
+    g: torch.Tensor  # (Np, L) test photo embeddings
+    full: dict  # retrieval metrics with all L modes
+    curves: dict  # {"most", "least"}: d -> metrics (structure_curves)
+    raw: dict  # cosine retrieval on the pretrained backbone's features
+    raw_pca: dict  # {"cosine", "inner"}: d -> metrics on their top-d principal axes
+    orthogonality_test: dict
+    orthogonality_train: dict
+
+
+def evaluate(cfg: Config, bb: Backbone, res: TrainResult, te: Dataset, tr_s: torch.Tensor,
+             tr_p: torch.Tensor, device) -> Evaluation:
+    """Embed the test classes with the trained heads (and backbones, if fine-tuned) and
+    score them; tr_s, tr_p: (N, D) training features, the PCA baseline's fit."""
+    dev = next(res.heads["sketch"].parameters()).device
+    bbs = res.backbones or {}
+    te_s = _features(cfg, bb, te.sketches, "test sketches", device, bbs.get("sketch"))
+    te_p = _features(cfg, bb, te.photos, "test photos", device, bbs.get("photo"))
+    f = embed_features(res.heads["sketch"], te_s, dev)  # (Qs, L)
+    g = embed_features(res.heads["photo"], te_p, dev)  # (Np, L)
+    labels = (te.sketch_labels, te.photo_labels)
+    curves = structure_curves(f, g, *labels, cfg.k)
+    if res.backbones is not None:  # the baseline is the pretrained backbone, not the tuned one
+        te_s = _features(cfg, bb, te.sketches, "test sketches", device)
+        te_p = _features(cfg, bb, te.photos, "test photos", device)
+    return Evaluation(
+        f=f, g=g,
+        full=retrieval_metrics(f, g, *labels, cfg.k),
+        curves=curves,
+        raw=cosine_scores_metrics(te_s, te_p, *labels, cfg.k),
+        raw_pca=pca_curves(tr_s, tr_p, te_s, te_p, *labels, cfg.k, list(curves["most"])),
+        orthogonality_test={"sketch": orthogonality_stats(f), "photo": orthogonality_stats(g)},
+        orthogonality_train=_train_orthogonality(res, tr_s, tr_p, dev),
+    )
+
+
+def _train_orthogonality(res: TrainResult, tr_s, tr_p, device) -> dict:
     """Orthogonality of the learned functions on the training classes (frozen backbones
     only; the fine-tuned ones would need the training images again)."""
     if res.backbones is not None:
         return {}
-    return {"sketch": orthogonality(embed_features(res.heads["sketch"], tr_s, device)),
-            "photo": orthogonality(embed_features(res.heads["photo"], tr_p, device))}
+    return {"sketch": orthogonality_stats(embed_features(res.heads["sketch"], tr_s, device)),
+            "photo": orthogonality_stats(embed_features(res.heads["photo"], tr_p, device))}
 
 
-def run(cfg: Config) -> dict:
-    """Train and evaluate per ``cfg``; returns the metrics written to out/metrics.json."""
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
-    device = _init_distributed()
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    out = Path(cfg.out)
-    ds = scan(cfg.data)
-    split = split_classes(cfg.split, list(ds.classes))
-    tr, te = ds.restrict(split["train"]), ds.restrict(split["test"])
-    log.info("split %s: %d train classes (%d sketches, %d photos), %d test classes "
-             "(%d sketches, %d photos)", cfg.split, len(tr.classes), len(tr.sketches),
-             len(tr.photos), len(te.classes), len(te.sketches), len(te.photos))
-    bb = build_backbone(cfg.backbone, cfg.backbone_weights or None)
+def _by_dims(curve: dict, metric: str) -> dict[str, float]:
+    return {str(d): m[metric] for d, m in curve.items()}
 
-    def feats(files, desc, module=None):
-        return extract_features(files, bb, cfg.image_size, cfg.cache_dir, module=module,
-                                device=device, desc=desc)
 
-    # Rank 0 fills the cache first; the other ranks then read it.
-    for turn in ([0, 1] if dist.is_initialized() else [0]):
-        if (rank == 0) == (turn == 0):
-            tr_s, tr_p = feats(tr.sketches, "train sketches"), feats(tr.photos, "train photos")
-        if dist.is_initialized():
-            dist.barrier()
-    data = TrainData(tr_s, tr_p, tr.sketch_labels, tr.photo_labels,
-                     tr.instance_pairs() if cfg.pairing == "instance" else None,
-                     list(tr.sketches), list(tr.photos))
-    t0 = time.perf_counter()
-    res = train(cfg, data, bb, out, device=device)
-    train_seconds = time.perf_counter() - t0
-    if rank != 0:
-        dist.barrier()  # wait for rank 0's evaluation
-        dist.destroy_process_group()
-        return {}
-
-    dev = next(res.heads["sketch"].parameters()).device
-    bbs = res.backbones or {}
-    te_s = feats(te.sketches, "test sketches", bbs.get("sketch"))
-    te_p = feats(te.photos, "test photos", bbs.get("photo"))
-    f = embed_features(res.heads["sketch"], te_s, dev)  # (Qs, L)
-    g = embed_features(res.heads["photo"], te_p, dev)  # (Np, L)
-    full = retrieval_metrics(f, g, te.sketch_labels, te.photo_labels, cfg.k)
-    curves = structure_curves(f, g, te.sketch_labels, te.photo_labels, cfg.k)
-    if res.backbones is not None:  # the baseline is the pretrained backbone, not the tuned one
-        te_s0, te_p0 = feats(te.sketches, "test sketches"), feats(te.photos, "test photos")
-    else:
-        te_s0, te_p0 = te_s, te_p
-    raw = cosine_scores_metrics(te_s0, te_p0, te.sketch_labels, te.photo_labels, cfg.k)
-    raw_pca = pca_curves(tr_s, tr_p, te_s0, te_p0, te.sketch_labels, te.photo_labels, cfg.k,
-                         list(curves["most"]))
-    metrics = {
-        **full,
-        "map_by_dims": {str(d): m["map_all"] for d, m in curves["most"].items()},
-        "precision_by_dims": {str(d): m["precision_at_k"] for d, m in curves["most"].items()},
-        "map_by_dims_least": {str(d): m["map_all"] for d, m in curves["least"].items()},
-        "precision_by_dims_least": {str(d): m["precision_at_k"]
-                                    for d, m in curves["least"].items()},
+def metrics_json(cfg: Config, split: dict, te: Dataset, res: TrainResult, ev: Evaluation,
+                 train_seconds: float) -> dict:
+    """The contents of metrics.json (benchmarks and tests read these keys)."""
+    return {
+        **ev.full,
+        "map_by_dims": _by_dims(ev.curves["most"], "map_all"),
+        "precision_by_dims": _by_dims(ev.curves["most"], "precision_at_k"),
+        "map_by_dims_least": _by_dims(ev.curves["least"], "map_all"),
+        "precision_by_dims_least": _by_dims(ev.curves["least"], "precision_at_k"),
         "singular_values": res.singular_values.tolist(),
-        "orthogonality_test": {"sketch": orthogonality(f), "photo": orthogonality(g)},
-        "orthogonality_train": _train_orthogonality(res, tr_s, tr_p, dev),
-        "raw_backbone_cosine": raw,
+        "orthogonality_test": ev.orthogonality_test,
+        "orthogonality_train": ev.orthogonality_train,
+        "raw_backbone_cosine": ev.raw,
         # the same raw features cut to their top-d principal axes (fit on training classes)
-        "raw_backbone_pca_map_by_dims": {str(d): m["map_all"]
-                                         for d, m in raw_pca["cosine"].items()},
-        "raw_backbone_pca_inner_map_by_dims": {str(d): m["map_all"]
-                                               for d, m in raw_pca["inner"].items()},
+        "raw_backbone_pca_map_by_dims": _by_dims(ev.raw_pca["cosine"], "map_all"),
+        "raw_backbone_pca_inner_map_by_dims": _by_dims(ev.raw_pca["inner"], "map_all"),
         "method": cfg.method, "backbone": cfg.backbone, "preset": cfg.preset,
         "seed": cfg.seed,
         "split": {"name": cfg.split, "train_classes": len(split["train"]),
@@ -142,18 +172,18 @@ def run(cfg: Config) -> dict:
         "history": res.history,
         "config": to_dict(cfg),
     }
-    atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")
-    plot_structure({f"{cfg.method} (d most significant)": curves["most"],
-                    f"{cfg.method} (d least significant)": curves["least"],
-                    "raw features, top-d principal axes, cosine": raw_pca["cosine"],
-                    "raw features, top-d principal axes, inner product": raw_pca["inner"],
-                    "raw features, all dims, cosine": {d: raw for d in curves["most"]}},
+
+
+def write_plots(cfg: Config, te: Dataset, res: TrainResult, ev: Evaluation, out: Path) -> None:
+    """structure.png, spectrum.png and gallery.png in ``out``."""
+    most = ev.curves["most"]
+    plot_structure({f"{cfg.method} (d most significant)": most,
+                    f"{cfg.method} (d least significant)": ev.curves["least"],
+                    "raw features, top-d principal axes, cosine": ev.raw_pca["cosine"],
+                    "raw features, top-d principal axes, inner product": ev.raw_pca["inner"],
+                    "raw features, all dims, cosine": {d: ev.raw for d in most}},
                    out / "structure.png")
     plot_spectrum(res.singular_values, out / "spectrum.png")
-    plot_gallery(f.numpy(), g.numpy(), te.sketch_labels, te.photo_labels, te.sketches,
+    plot_gallery(ev.f.numpy(), ev.g.numpy(), te.sketch_labels, te.photo_labels, te.sketches,
                  te.photos, out / "gallery.png", cfg.gallery_queries, cfg.gallery_topk,
                  cfg.seed)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    return metrics

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from training.device import pick_device
@@ -30,6 +28,7 @@ from .backbones import Backbone
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import NESTING_OF, RUNTIME_FIELDS, Config, nesting_weights, to_dict
 from .data import PairSampler
+from .distributed import barrier, gather_rows, rank_and_world
 from .model import MODALITIES, Head
 
 __all__ = ["TrainData", "TrainResult", "train"]
@@ -78,18 +77,6 @@ class PairModel(nn.Module):
         return self.encode(xs, "sketch"), self.encode(ys, "photo")
 
 
-def _gather_rows(x: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-    """All ranks' (b, L) blocks -> (W*b, L); only the local block carries gradient."""
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.detach().contiguous())
-    parts[rank] = x
-    return torch.cat(parts)
-
-
-def _cosine(total: int):
-    return lambda step: 0.5 * (1.0 + math.cos(math.pi * min(step, total) / total))
-
-
 def _comparable(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k not in RUNTIME_FIELDS}
 
@@ -125,12 +112,11 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
           device=None) -> TrainResult:
     """Train per ``cfg``, checkpointing to out_dir/checkpoint.pt after every epoch and
     resuming from it when it holds an unfinished run of the same config. Runs under DDP
-    when torch.distributed is initialised (launch with torchrun)."""
+    when torch.distributed is initialised (launch with torchrun; see ``distributed``)."""
     out = Path(out_dir)
     ckpt_path = out / "checkpoint.pt"
     device = pick_device(device)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank, world = rank_and_world()
     B = min(cfg.batch_size, len(data.sketch_labels))
     if B % world:
         raise ValueError(f"batch size {B} is not divisible by the world size {world}")
@@ -155,7 +141,8 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
         groups.append({"params": list(model.backbones.parameters()), "lr": cfg.backbone_lr})
     opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _cosine(steps * cfg.epochs))
+    # one scheduler step per optimizer step: the lr reaches 0 at the last step of the run
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps * cfg.epochs)
     m_vec, m_mat = nesting_masks(cfg.L, NESTING_OF[cfg.method], nesting_weights(cfg),
                                  constant_mode=True)
 
@@ -203,7 +190,7 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
             with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
                 f, g = ddp(xs, ys)  # (B/W, L) each
             if world > 1:
-                f, g = _gather_rows(f, world, rank), _gather_rows(g, world, rank)
+                f, g = gather_rows(f, world, rank), gather_rows(g, world, rank)
             loss = cdk_loss(f.float(), g.float(), m_vec, m_mat)
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss * world).backward()
@@ -232,8 +219,7 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
                 train_state=None if last else {"optimizer": opt.state_dict(),
                                                "scheduler": sched.state_dict()},
             )
-        if world > 1:
-            dist.barrier()
+        barrier()
     if sv is None:
         sv = _spectrum(model, data, cfg, backbone, device)
     model.eval()

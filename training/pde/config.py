@@ -87,15 +87,12 @@ def cpu(problem: Problem) -> dict:
     """Minutes on 2 CPU cores (hydrogen ~8, the oscillator ~17 on one thread): smaller
     networks and a larger learning rate.
 
-    The oscillator gets kappa = 0.15, samples from N(0, 2^2 I) instead of the paper's
-    N(0, 4^2 I) in 2D, lr 2e-3, batch 128 and 9,000 iterations, and learns the problem's L
-    (55 in 2D: 28 positive modes and 27 surplus ones, which should come out with norm ~0).
-    The network learns f~ = psi / sqrt(w), a bump of width ~1; with K = 64 features of
-    standard deviation 2 pi kappa ~ 6 (the paper's kappa = 1) no mode could represent it,
-    all shrank to zero and stayed there; kappa = 0.15 puts the frequencies at ~1. At std 4
-    only 7% of the samples fall within |x| < 1.5, where the low states live (25% at std 2),
-    and in 9,000 steps levels n = 0..5 were resolved but not n = 6; at std 2 all seven.
-    lr 2e-3 resolves levels about twice as fast as 1e-3 (4e-3 is slower again).
+    The oscillator learns its L (55 in 2D; the 27 surplus modes should come out with norm
+    ~0) with kappa = 0.15, so that frequencies ~1 can represent f~ = psi / sqrt(w), a bump of
+    width ~1 (at the paper's kappa = 1 every mode shrank to zero); samples from N(0, 2^2 I)
+    rather than N(0, 4^2 I), so that a quarter of them, not 7%, fall where the low states
+    live; and lr 2e-3, batch 128, 9,000 iterations. The README's operator section has the
+    runs that chose these values.
     """
     values = dict(
         iterations=12_000,

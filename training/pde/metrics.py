@@ -22,7 +22,7 @@ __all__ = [
     "angle_distances",
     "subspace_distances",
     "level_assignment",
-    "orthogonality",
+    "orthogonality_error",
     "summarize",
 ]
 
@@ -131,7 +131,7 @@ def level_assignment(estimates, eigenvalues_true) -> list[int]:
     return out
 
 
-def orthogonality(learned, w) -> torch.Tensor:
+def orthogonality_error(learned, w) -> torch.Tensor:
     """(1 / L^2) sum_{l,l'} (<psi_l, psi_l'> - delta_ll')^2 of the normalised functions."""
     a = normalize(learned, w)
     g = inner(a, a, w)
@@ -168,7 +168,7 @@ def summarize(f, Tf, truth, w, eigenvalues_true) -> dict:
         "angle_distance_mean": angles.mean().item(),
         "subspace_distances": sub.tolist(),
         "subspace_distance_mean": sub.mean().item(),
-        "orthogonality": orthogonality(fe, w).item(),
+        "orthogonality": orthogonality_error(fe, w).item(),
         "degenerate_groups": groups,
         # learned order: each mode's Rayleigh quotient lies nearest to its own level
         "modes_in_right_level": sum(a == b for a, b in zip(found, expected, strict=True)),

@@ -1,12 +1,16 @@
 """L disjoint MLPs on random Fourier features, evaluated in one batched computation.
 
-Mode l has its own Fourier matrix B_l (K, D), fixed at initialisation with entries of
-standard deviation 2 pi kappa, i.e. 2 pi kappa times a standard normal (Tancik et al. 2020;
-the paper writes N(0, 2 pi kappa), and its published code draws 2 pi kappa randn, the
-reading kept here), features (cos B_l x, sin B_l x, x) of size 2K + D, and its own 3-layer
-softplus MLP (2K+D) -> H -> H -> 1. The L networks share no parameter (SpIN and NeuralEF
-need disjoint modes; NeuralSVD uses sequential nesting for them); their weights are stacked
-along a leading mode axis so one bmm evaluates all of them.
+Mode l has its own Fourier matrix B_l (K, D), fixed at initialisation, features
+(cos B_l x, sin B_l x, x) of size 2K + D (Tancik et al. 2020), and its own 3-layer softplus
+MLP (2K+D) -> H -> H -> 1. The scale convention: B_l = 2 pi kappa times a standard normal
+(kappa = ``fourier_scale``), so kappa sets the standard deviation of the angular
+frequencies, not their variance. The paper writes N(0, 2 pi kappa); its published code
+draws 2 pi kappa randn, and that reading is kept because the variance reading fits the
+oscillator worse (README, operator experiments).
+
+The L networks share no parameter (SpIN and NeuralEF need disjoint modes; NeuralSVD uses
+sequential nesting for them); their weights are stacked along a leading mode axis so one
+bmm evaluates all of them.
 """
 
 from __future__ import annotations
@@ -49,7 +53,6 @@ class DisjointMLPs(nn.Module):
             raise ValueError(f"fourier_scale must be positive, got {fourier_scale!r}")
         self.n_modes, self.ndim = n_modes, ndim
         L, D, K, H = n_modes, ndim, fourier_features, hidden
-        # std 2 pi kappa (not variance): kappa = 1 means angular frequencies ~2 pi
         freq = 2 * math.pi * fourier_scale * torch.randn(L, D, K, generator=generator)
         self.register_buffer("freq", freq)  # (L, D, K), fixed
 

@@ -11,9 +11,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from training.atomic import atomic_savefig  # noqa: E402
+from training.files import atomic_savefig  # noqa: E402
 
-__all__ = ["eigenfunctions", "orthogonality", "errors_per_mode"]
+__all__ = ["eigenfunctions", "plot_gram", "errors_per_mode"]
 
 
 def eigenfunctions(learned, truth, half_width: float, path, title: str = "") -> None:
@@ -41,7 +41,7 @@ def eigenfunctions(learned, truth, half_width: float, path, title: str = "") -> 
     atomic_savefig(fig, path, dpi=110)
 
 
-def orthogonality(gram, path, title: str = "") -> None:
+def plot_gram(gram, path, title: str = "") -> None:
     """gram: (L, L) inner products of the normalised learned functions."""
     fig, ax = plt.subplots(figsize=(4, 3.4))
     im = ax.imshow(np.asarray(gram), cmap="RdBu_r", vmin=-1, vmax=1)

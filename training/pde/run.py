@@ -8,7 +8,7 @@ import json
 import logging
 from pathlib import Path
 
-from training.atomic import atomic_write_text
+from training.files import atomic_write_text
 from training.pde import plots
 from training.pde.config import Config, problem_of
 from training.pde.evaluate import aligned_on_grid, evaluate
@@ -39,7 +39,7 @@ def run(config: Config, progress: bool = True) -> dict:
     }
     atomic_write_text(json.dumps(metrics, indent=1), out / "metrics.json")
     label = f"{problem.name} {config.method}"
-    plots.orthogonality(result["gram"], out / "orthogonality.png", f"{label}: orthogonality")
+    plots.plot_gram(result["gram"], out / "orthogonality.png", f"{label}: orthogonality")
     plots.errors_per_mode(
         {config.method: m["rel_errors"]}, out / "errors.png", f"{label}: eigenvalue errors"
     )

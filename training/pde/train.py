@@ -5,58 +5,29 @@ bar with the current eigenvalue estimates."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
-import math
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from training.atomic import atomic_save
 from training.device import pick_device
+from training.pde.checkpoint import (
+    CHECKPOINT,
+    build_model,
+    check_resumable,
+    load_train_state,
+    save_checkpoint,
+)
 from training.pde.config import Config, problem_of
 from training.pde.laplacian import negative_hamiltonian
 from training.pde.methods import make_method
 from training.pde.networks import DisjointMLPs
-from training.pde.problems import Problem
 
-__all__ = ["build_model", "train", "load_checkpoint", "CHECKPOINT"]
+__all__ = ["train"]
 
 log = logging.getLogger(__name__)
-CHECKPOINT = "checkpoint.pt"
-# settings that may differ between a run and its resumption
-_RESUMABLE = {"resume", "threads", "device", "out", "checkpoint_every", "eval_points"}
-
-
-def build_model(config: Config, problem: Problem) -> DisjointMLPs:
-    gen = torch.Generator().manual_seed(config.seed)
-    return DisjointMLPs(
-        n_modes=config.n_modes or problem.n_modes,
-        ndim=problem.ndim,
-        fourier_features=config.fourier_features,
-        fourier_scale=config.fourier_scale,
-        hidden=config.hidden,
-        generator=gen,
-    )
-
-
-def load_checkpoint(path, map_location="cpu") -> tuple[Config, DisjointMLPs, dict]:
-    """(config, EMA model, the raw checkpoint): the model is rebuilt from the stored config."""
-    ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    config = Config(**ckpt["config"])
-    model = build_model(config, problem_of(config))
-    model.load_state_dict(ckpt["ema"])
-    return config, model, ckpt
-
-
-def _check_resumable(saved: dict, config: Config) -> None:
-    now = dataclasses.asdict(config)
-    diff = sorted(k for k in now if k not in _RESUMABLE and saved.get(k) != now[k])
-    if diff:
-        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in diff)
-        raise ValueError(f"cannot resume: settings differ from the checkpoint ({detail})")
 
 
 def _format(eigs: torch.Tensor) -> str:
@@ -81,15 +52,13 @@ def train(config: Config, progress: bool = True) -> tuple[DisjointMLPs, dict]:
     params = list(model.parameters())
     optimizer = torch.optim.RMSprop(params, lr=config.lr)
     T = config.iterations
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda t: 0.5 * (1 + math.cos(math.pi * min(t, T) / T))
-    )
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=T)  # lr -> 0 at T
     gen = torch.Generator().manual_seed(config.seed + 1)
     step, seconds, running = 0, 0.0, torch.zeros(L, dtype=torch.float64)
 
     if config.resume and ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
-        _check_resumable(ckpt["config"], config)
+        ckpt = load_train_state(ckpt_path, map_location=device)
+        check_resumable(ckpt["config"], config)
         model.load_state_dict(ckpt["model"])
         ema.load_state_dict(ckpt["ema"])
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -101,21 +70,9 @@ def train(config: Config, progress: bool = True) -> tuple[DisjointMLPs, dict]:
         log.info("resumed %s at step %d", ckpt_path, step)
 
     def checkpoint():
-        atomic_save(
-            {
-                "config": dataclasses.asdict(config),
-                "step": step,
-                "seconds": seconds,
-                "model": model.state_dict(),
-                "ema": ema.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "schedule": schedule.state_dict(),
-                "method": method.state_dict(),
-                "generator": gen.get_state(),
-                "eigenvalues_estimate": running.tolist(),
-            },
-            ckpt_path,
-        )
+        save_checkpoint(ckpt_path, config=config, step=step, seconds=seconds, model=model,
+                        ema=ema, optimizer=optimizer, schedule=schedule, method=method,
+                        generator=gen, eigenvalues_estimate=running.tolist())
 
     bar = tqdm(total=T, initial=step, disable=not progress, dynamic_ncols=True, leave=False)
     start = time.perf_counter() - seconds

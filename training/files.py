@@ -1,8 +1,10 @@
-"""Atomic file writes: write a temp file beside the target, fsync, then rename over it, so a
-reader never sees a half-written checkpoint or metrics file."""
+"""Files: atomic writes (a temp file beside the target, fsync, then rename over it, so a
+reader never sees a half-written checkpoint or metrics file) and the file hash that names a
+checkpoint."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -49,3 +51,12 @@ def atomic_savefig(fig, path: str | Path, dpi: int = 120) -> Path:
         return _atomic(path, "wb", lambda fh: fig.savefig(fh, format=fmt, dpi=dpi))
     finally:
         plt.close(fig)
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file's bytes (the identity of a checkpoint)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

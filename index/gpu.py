@@ -1,0 +1,25 @@
+"""GPU placement of FAISS indexes: whether a GPU is usable, and copying an index onto it."""
+
+from __future__ import annotations
+
+import faiss
+
+__all__ = ["gpu_available", "to_gpu"]
+
+
+def gpu_available() -> bool:
+    """True when FAISS was built with GPU support and a GPU is visible."""
+    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+
+
+_GPU_RESOURCES = None
+
+
+def to_gpu(index: faiss.Index) -> faiss.Index:
+    """Copy an index to GPU 0 (flat and IVF kinds); raises without GPU FAISS."""
+    global _GPU_RESOURCES
+    if not gpu_available():
+        raise RuntimeError("no GPU FAISS: install faiss-gpu and make a CUDA device visible")
+    if _GPU_RESOURCES is None:
+        _GPU_RESOURCES = faiss.StandardGpuResources()
+    return faiss.index_cpu_to_gpu(_GPU_RESOURCES, 0, index)

@@ -1,0 +1,54 @@
+"""Search over d-prefixes: queries zero-padded to the stored dims, exact top-k by brute
+force, and the recall of an index against it."""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+
+from index.gpu import gpu_available, to_gpu
+
+__all__ = ["pad_queries", "exact_topk", "recall_at_k"]
+
+
+def pad_queries(queries: np.ndarray, stored_dims: int) -> np.ndarray:
+    """(N, d) queries -> (N, stored_dims) with zeros beyond d: IP then equals the d-prefix IP."""
+    n, d = queries.shape
+    if not 1 <= d <= stored_dims:
+        raise ValueError(f"query has {d} dims; the index stores {stored_dims}")
+    padded = np.zeros((n, stored_dims), dtype=np.float32)
+    padded[:, :d] = queries
+    return padded
+
+
+def exact_topk(vectors: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exact inner-product top-k of `queries` (Q, d) against `vectors` (N, d): (scores, ids)."""
+    index = faiss.IndexFlatIP(vectors.shape[1])
+    if gpu_available():
+        index = to_gpu(index)
+    index.add(vectors)
+    return index.search(queries, min(k, len(vectors)))
+
+
+def recall_at_k(
+    index: faiss.Index,
+    vectors: np.ndarray,
+    k: int = 10,
+    dims: int | None = None,
+    n_queries: int = 1000,
+    seed: int = 0,
+) -> float:
+    """Fraction of the exact top-k found by `index`, queries drawn from the gallery itself.
+
+    `vectors` (N, D) are the stored embeddings; `dims` <= D selects the prefix being scored.
+    """
+    n, stored = vectors.shape
+    d = stored if dims is None else dims
+    k = min(k, n)
+    rng = np.random.default_rng(seed)
+    picks = rng.choice(n, size=min(n_queries, n), replace=False)
+    queries = np.ascontiguousarray(vectors[picks, :d])
+    _, truth = exact_topk(np.ascontiguousarray(vectors[:, :d]), queries, k)
+    _, found = index.search(pad_queries(queries, stored), k)
+    hits = sum(len(set(t) & set(f[f >= 0])) for t, f in zip(truth, found, strict=True))
+    return hits / (len(picks) * k)
