@@ -1,5 +1,5 @@
-"""pyproject.toml's requirements: floors above known-vulnerable releases and an environment
-that satisfies them."""
+"""pyproject.toml's requirements: floors above known-vulnerable releases, one FAISS, and an
+environment that satisfies them."""
 
 from importlib.metadata import PackageNotFoundError, version
 
@@ -26,6 +26,9 @@ ADVISORIES = {
     "fastapi": ("0.109.0", "CVE-2024-24762: Content-Type ReDoS"),
     "setuptools": ("78.1.0", "CVE-2025-47273: path traversal (build requirement)"),
 }
+# Distributions that install the `faiss` module.
+FAISS = {"faiss", "faiss-cpu", "faiss-gpu", "faiss-gpu-cu11", "faiss-gpu-cu12"}
+
 
 def requirements(specs: list[str]) -> dict[str, Requirement]:
     reqs = [Requirement(s) for s in specs]
@@ -43,6 +46,13 @@ def test_floor_excludes_vulnerable_release(name):
     assert name in reqs, f"{name} has no requirement, so no floor ({advisory})"
     assert not reqs[name].specifier.contains(vulnerable, prereleases=True), (
         f"{reqs[name]} admits {name} {vulnerable} ({advisory})")
+
+
+@pytest.mark.parametrize("extra", [None, *PROJECT.get("optional-dependencies", {})])
+def test_one_faiss_distribution(extra):
+    specs = PROJECT["dependencies"] + PROJECT.get("optional-dependencies", {}).get(extra, [])
+    faiss = sorted(set(requirements(specs)) & FAISS)
+    assert len(faiss) == 1, f"extra {extra!r} installs the faiss module from {faiss}"
 
 
 def test_installed_versions_satisfy_requirements():
