@@ -72,7 +72,63 @@ class DisjointMLPs(nn.Module):
             )
         proj = torch.bmm(x, self.freq.to(x.dtype))  # (L, B, K)
         h = torch.cat([torch.cos(proj), torch.sin(proj), x], dim=-1)  # (L, B, 2K+D)
-        h = F.softplus(torch.baddbmm(self.b1, h, self.w1))  # (L, B, H)
-        h = F.softplus(torch.baddbmm(self.b2, h, self.w2))  # (L, B, H)
-        out = torch.baddbmm(self.b3, h, self.w3)  # (L, B, 1)
-        return out.squeeze(-1).T  # (B, L)
+        return self._head(torch.baddbmm(self.b1, h, self.w1))
+
+    def _head(self, a: torch.Tensor) -> torch.Tensor:
+        """Layers 2 and 3 from the first layer's pre-activation: (L, N, H) -> (N, L)."""
+        h = F.softplus(a)
+        h = F.softplus(torch.baddbmm(self.b2, h, self.w2))  # (L, N, H)
+        out = torch.baddbmm(self.b3, h, self.w3)  # (L, N, 1)
+        return out.squeeze(-1).T  # (N, L)
+
+    def fd_stencil(
+        self, x: torch.Tensor, eps: float, modes_per_product: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The network on the central-difference stencil of x: (B, D) -> (f~(x): (B, L)
+        with its autograd graph, f~ at x + eps e_i for i < D then at x - eps e_i:
+        (2D, B, L) without one; a finite-difference Laplacian treats those as constants).
+
+        The shifted points' Fourier features are not recomputed. With u = B_l x, v_i =
+        eps B_l e_i, c_i = cos v_i and s_i = sin v_i (per feature), the angle-addition
+        formulas give the first layer's pre-activation
+
+            a(x +- eps e_i) = [cos u, sin u] @ (c_i * [W_c; W_s])
+                              +- [cos u, sin u] @ (s_i * [W_s; -W_c]) + (x +- eps e_i) W_x + b,
+
+        c_i and s_i scaling the weights' rows. Scaling the (2K, H) weights rather than the
+        (B, 2K) features keeps that cost independent of the batch, and the trigonometric
+        functions are evaluated at the B centres only.
+
+        modes_per_product: modes per batched product; None: one on the CPU (the scaled
+        weights of one mode stay in cache; for all modes they are large temporaries, slow
+        to allocate), all of them elsewhere (each product is a kernel launch).
+        """
+        L, D, H = self.n_modes, self.ndim, self.w2.shape[-1]
+        if x.dim() != 2 or x.shape[1] != D:
+            raise ValueError(f"stencil centres must be (B, {D}), got {tuple(x.shape)}")
+        B, K = x.shape[0], self.freq.shape[-1]
+        xl = x.unsqueeze(0).expand(L, -1, -1)  # (L, B, D)
+        proj = torch.bmm(xl, self.freq.to(x.dtype))  # (L, B, K)
+        h = torch.cat([torch.cos(proj), torch.sin(proj), xl], dim=-1)  # (L, B, 2K+D)
+        centre = self._head(torch.baddbmm(self.b1, h, self.w1))  # (B, L)
+        m = modes_per_product or (1 if x.device.type == "cpu" else L)
+        with torch.no_grad():
+            trig = h[..., : 2 * K]  # (L, B, 2K): [cos u, sin u]
+            w = self.w1.detach()
+            w_x = w[:, 2 * K :]  # (L, D, H)
+            v = eps * self.freq.to(x.dtype)  # (L, D, K)
+            c, s = torch.cos(v).repeat(1, 1, 2), torch.sin(v).repeat(1, 1, 2)  # (L, D, 2K)
+            even = x.new_empty(D, L, B, H)  # the two terms above, without x W_x + b
+            odd = x.new_empty(D, L, B, H)
+            for lo in range(0, L, m):
+                ls = slice(lo, lo + m)
+                w_trig = w[ls, : 2 * K]  # (m, 2K, H): [W_c; W_s]
+                w_swap = torch.cat([w[ls, K : 2 * K], -w[ls, :K]], 1)  # [W_s; -W_c]
+                for i in range(D):
+                    torch.bmm(trig[ls], w_trig * c[ls, i, :, None], out=even[i, ls])
+                    torch.bmm(trig[ls], w_swap * s[ls, i, :, None], out=odd[i, ls])
+            even += torch.baddbmm(self.b1, xl, w_x)  # + x W_x + b
+            odd += eps * w_x.transpose(0, 1).unsqueeze(2)  # + eps e_i W_x
+            a = torch.stack([even + odd, even - odd]).permute(2, 0, 1, 3, 4)  # (L, 2, D, B, H)
+            shifted = self._head(a.reshape(L, 2 * D * B, H))  # (2D B, L)
+        return centre, shifted.reshape(2 * D, B, L)
