@@ -42,6 +42,8 @@ def test_bad_inputs_are_errors():
         DisjointMLPs(3, 2, 4, 1.0, 0)
     with pytest.raises(ValueError, match="fourier_scale must be positive"):
         DisjointMLPs(3, 2, 4, -1.0, 8)
+    with pytest.raises(ValueError, match="x requires grad"):
+        net.fd_stencil(torch.zeros(4, 2, requires_grad=True), 0.01)
 
 
 def test_fourier_frequencies_have_std_two_pi_kappa():

@@ -106,29 +106,38 @@ class DisjointMLPs(nn.Module):
         L, D, H = self.n_modes, self.ndim, self.w2.shape[-1]
         if x.dim() != 2 or x.shape[1] != D:
             raise ValueError(f"stencil centres must be (B, {D}), got {tuple(x.shape)}")
+        if x.requires_grad:
+            raise ValueError("fd_stencil differentiates the parameters only; x requires grad")
         B, K = x.shape[0], self.freq.shape[-1]
-        xl = x.unsqueeze(0).expand(L, -1, -1)  # (L, B, D)
-        proj = torch.bmm(xl, self.freq.to(x.dtype))  # (L, B, K)
-        h = torch.cat([torch.cos(proj), torch.sin(proj), xl], dim=-1)  # (L, B, 2K+D)
-        centre = self._head(torch.baddbmm(self.b1, h, self.w1))  # (B, L)
         m = modes_per_product or (1 if x.device.type == "cpu" else L)
+        xl = x.unsqueeze(0).expand(L, -1, -1)  # (L, B, D)
+        # In chunks of m modes, each product written in place: on the CPU the chunk's
+        # features and scaled weights stay in cache and no large temporary is allocated.
         with torch.no_grad():
-            trig = h[..., : 2 * K]  # (L, B, 2K): [cos u, sin u]
-            w = self.w1.detach()
-            w_x = w[:, 2 * K :]  # (L, D, H)
-            v = eps * self.freq.to(x.dtype)  # (L, D, K)
-            c, s = torch.cos(v).repeat(1, 1, 2), torch.sin(v).repeat(1, 1, 2)  # (L, D, 2K)
-            even = x.new_empty(D, L, B, H)  # the two terms above, without x W_x + b
-            odd = x.new_empty(D, L, B, H)
+            freq, w = self.freq.to(x.dtype), self.w1.detach()  # (L, D, K), (L, 2K+D, H)
+            c, s = torch.cos(eps * freq).repeat(1, 1, 2), torch.sin(eps * freq).repeat(1, 1, 2)
+            h = x.new_empty(L, B, 2 * K + D)  # the centres' features [cos u, sin u, x]
+            h[..., 2 * K :] = xl
+            u = x.new_empty(m, B, K)
+            even = x.new_empty(L, D, B, H)  # the two products above, without x W_x + b
+            odd = x.new_empty(L, D, B, H)
             for lo in range(0, L, m):
-                ls = slice(lo, lo + m)
-                w_trig = w[ls, : 2 * K]  # (m, 2K, H): [W_c; W_s]
+                ls, n = slice(lo, lo + m), min(m, L - lo)
+                torch.bmm(xl[ls], freq[ls], out=u[:n])
+                torch.cos(u[:n], out=h[ls, :, :K])
+                torch.sin(u[:n], out=h[ls, :, K : 2 * K])
+                trig = h[ls, :, : 2 * K]  # (n, B, 2K)
+                w_trig = w[ls, : 2 * K]  # (n, 2K, H): [W_c; W_s]
                 w_swap = torch.cat([w[ls, K : 2 * K], -w[ls, :K]], 1)  # [W_s; -W_c]
                 for i in range(D):
-                    torch.bmm(trig[ls], w_trig * c[ls, i, :, None], out=even[i, ls])
-                    torch.bmm(trig[ls], w_swap * s[ls, i, :, None], out=odd[i, ls])
-            even += torch.baddbmm(self.b1, xl, w_x)  # + x W_x + b
-            odd += eps * w_x.transpose(0, 1).unsqueeze(2)  # + eps e_i W_x
-            a = torch.stack([even + odd, even - odd]).permute(2, 0, 1, 3, 4)  # (L, 2, D, B, H)
-            shifted = self._head(a.reshape(L, 2 * D * B, H))  # (2D B, L)
+                    torch.bmm(trig, w_trig * c[ls, i, :, None], out=even[ls, i])
+                    torch.bmm(trig, w_swap * s[ls, i, :, None], out=odd[ls, i])
+            w_x = w[:, 2 * K :]  # (L, D, H)
+            even += torch.baddbmm(self.b1, xl, w_x).unsqueeze(1)  # + x W_x + b
+            odd += eps * w_x.unsqueeze(2)  # + eps e_i W_x
+            a = x.new_empty(L, 2, D, B, H)  # rows of x + eps e_i, then of x - eps e_i
+            torch.add(even, odd, out=a[:, 0])
+            torch.sub(even, odd, out=a[:, 1])
+            shifted = self._head(a.view(L, 2 * D * B, H))  # (2D B, L)
+        centre = self._head(torch.baddbmm(self.b1, h, self.w1))  # (B, L)
         return centre, shifted.reshape(2 * D, B, L)
