@@ -74,12 +74,13 @@ class DisjointMLPs(nn.Module):
         h = torch.cat([torch.cos(proj), torch.sin(proj), x], dim=-1)  # (L, B, 2K+D)
         return self._head(torch.baddbmm(self.b1, h, self.w1))
 
-    def _head(self, a: torch.Tensor) -> torch.Tensor:
-        """Layers 2 and 3 from the first layer's pre-activation: (L, N, H) -> (N, L)."""
+    def _head(self, a: torch.Tensor, modes: slice = slice(None)) -> torch.Tensor:
+        """Layers 2 and 3 of the given modes from their first layer's pre-activation:
+        (n, N, H) -> (N, n)."""
         h = F.softplus(a)
-        h = F.softplus(torch.baddbmm(self.b2, h, self.w2))  # (L, N, H)
-        out = torch.baddbmm(self.b3, h, self.w3)  # (L, N, 1)
-        return out.squeeze(-1).T  # (N, L)
+        h = F.softplus(torch.baddbmm(self.b2[modes], h, self.w2[modes]))  # (n, N, H)
+        out = torch.baddbmm(self.b3[modes], h, self.w3[modes])  # (n, N, 1)
+        return out.squeeze(-1).T  # (N, n)
 
     def fd_stencil(
         self, x: torch.Tensor, eps: float, modes_per_product: int | None = None
@@ -99,9 +100,8 @@ class DisjointMLPs(nn.Module):
         (B, 2K) features keeps that cost independent of the batch, and the trigonometric
         functions are evaluated at the B centres only.
 
-        modes_per_product: modes per batched product; None: one on the CPU (the scaled
-        weights of one mode stay in cache; for all modes they are large temporaries, slow
-        to allocate), all of them elsewhere (each product is a kernel launch).
+        modes_per_product: modes evaluated together at the shifted points; None: one on
+        the CPU (see below), all of them elsewhere (where each product is a kernel launch).
         """
         L, D, H = self.n_modes, self.ndim, self.w2.shape[-1]
         if x.dim() != 2 or x.shape[1] != D:
@@ -111,33 +111,32 @@ class DisjointMLPs(nn.Module):
         B, K = x.shape[0], self.freq.shape[-1]
         m = modes_per_product or (1 if x.device.type == "cpu" else L)
         xl = x.unsqueeze(0).expand(L, -1, -1)  # (L, B, D)
-        # In chunks of m modes, each product written in place: on the CPU the chunk's
-        # features and scaled weights stay in cache and no large temporary is allocated.
+        # In chunks of m modes, through to the output: on the CPU a chunk's features,
+        # scaled weights and activations stay in cache, and no large temporary is allocated
+        # (on this machine a fresh large tensor costs more in page faults than its fill).
         with torch.no_grad():
             freq, w = self.freq.to(x.dtype), self.w1.detach()  # (L, D, K), (L, 2K+D, H)
             c, s = torch.cos(eps * freq).repeat(1, 1, 2), torch.sin(eps * freq).repeat(1, 1, 2)
             h = x.new_empty(L, B, 2 * K + D)  # the centres' features [cos u, sin u, x]
             h[..., 2 * K :] = xl
-            u = x.new_empty(m, B, K)
-            even = x.new_empty(L, D, B, H)  # the two products above, without x W_x + b
-            odd = x.new_empty(L, D, B, H)
+            shifted = x.new_empty(2 * D * B, L)  # rows of x + eps e_i, then of x - eps e_i
             for lo in range(0, L, m):
-                ls, n = slice(lo, lo + m), min(m, L - lo)
-                torch.bmm(xl[ls], freq[ls], out=u[:n])
-                torch.cos(u[:n], out=h[ls, :, :K])
-                torch.sin(u[:n], out=h[ls, :, K : 2 * K])
+                ls = slice(lo, lo + m)
+                u = torch.bmm(xl[ls], freq[ls])  # (n, B, K)
+                torch.cos(u, out=h[ls, :, :K])
+                torch.sin(u, out=h[ls, :, K : 2 * K])
                 trig = h[ls, :, : 2 * K]  # (n, B, 2K)
-                w_trig = w[ls, : 2 * K]  # (n, 2K, H): [W_c; W_s]
+                w_trig, w_x = w[ls, : 2 * K], w[ls, 2 * K :]  # (n, 2K, H): [W_c; W_s], (n, D, H)
                 w_swap = torch.cat([w[ls, K : 2 * K], -w[ls, :K]], 1)  # [W_s; -W_c]
-                for i in range(D):
-                    torch.bmm(trig, w_trig * c[ls, i, :, None], out=even[ls, i])
-                    torch.bmm(trig, w_swap * s[ls, i, :, None], out=odd[ls, i])
-            w_x = w[:, 2 * K :]  # (L, D, H)
-            even += torch.baddbmm(self.b1, xl, w_x).unsqueeze(1)  # + x W_x + b
-            odd += eps * w_x.unsqueeze(2)  # + eps e_i W_x
-            a = x.new_empty(L, 2, D, B, H)  # rows of x + eps e_i, then of x - eps e_i
-            torch.add(even, odd, out=a[:, 0])
-            torch.sub(even, odd, out=a[:, 1])
-            shifted = self._head(a.view(L, 2 * D * B, H))  # (2D B, L)
+                even = torch.stack(
+                    [torch.bmm(trig, w_trig * c[ls, i, :, None]) for i in range(D)], 1
+                )  # (n, D, B, H)
+                odd = torch.stack(
+                    [torch.bmm(trig, w_swap * s[ls, i, :, None]) for i in range(D)], 1
+                )
+                even += torch.baddbmm(self.b1[ls], xl[ls], w_x).unsqueeze(1)  # + x W_x + b
+                odd += eps * w_x.unsqueeze(2)  # + eps e_i W_x
+                a = torch.stack([even + odd, even - odd], 1)  # (n, 2, D, B, H)
+                shifted[:, ls] = self._head(a.view(a.shape[0], 2 * D * B, H), ls)
         centre = self._head(torch.baddbmm(self.b1, h, self.w1))  # (B, L)
-        return centre, shifted.reshape(2 * D, B, L)
+        return centre, shifted.view(2 * D, B, L)
