@@ -9,6 +9,13 @@
     python -m benchmarks.pde_bench --out runs/pde-bench [--iterations N] [--skip-steps]
 
 Writes OUT/bench.json and OUT/errors_by_method.png and prints markdown tables.
+
+With --paper-step it only times the NeuralSVD-seq step (finite-difference Laplacian) at
+the paper architecture on 1 thread, batch 128 and 512, against the step it replaced (every
+stencil point differentiated, T f carrying its graph), the two interleaved in one process,
+next to the paper's published code timed on the same 2-core machine:
+
+    python -m benchmarks.pde_bench --paper-step --steps 9
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -32,6 +40,11 @@ from training.pde.problems import make_problem
 from training.pde.run import run
 
 METHODS = ["neuralsvd-seq", "neuralsvd-jnt", "neuralef", "spin"]
+# The paper's published code, same problem and architecture (NeuralSVD-seq, fd), seconds
+# per step on 1 thread of this project's 2-core machine: (lowest, highest) over runs; the
+# target is twice as fast as its best.
+PAPER_CODE = {128: (0.14, 0.23), 512: (0.49, 0.74)}
+TARGET = {128: 0.07, 512: 0.25}
 
 
 def seconds_per_step(problem, method: str, batch_size: int, steps: int, warmup: int = 2):
@@ -59,6 +72,71 @@ def seconds_per_step(problem, method: str, batch_size: int, steps: int, warmup: 
     return (time.perf_counter() - start) / steps, (time.process_time() - cpu_start) / steps
 
 
+def _full_graph_hamiltonian(model, problem, x, eps):
+    """The step's operator before T f became a constant: all 2D+1 stencil points in one
+    graph-tracked call, so the backward pass runs over 5B rows in 2D."""
+    B, D = x.shape
+    shifts = torch.zeros(2 * D + 1, D, dtype=x.dtype, device=x.device)
+    idx = torch.arange(D, device=x.device)
+    shifts[1 + idx, idx] = eps
+    shifts[1 + D + idx, idx] = -eps
+    pts = (x.unsqueeze(0) + shifts.unsqueeze(1)).reshape(-1, D)  # centre first
+    out = model(pts).reshape(2 * D + 1, B, -1)  # (2D+1, B, L)
+    logw = problem.log_weight(pts).reshape(2 * D + 1, B)
+    ratio = torch.exp(0.5 * (logw[1:] - logw[:1])).unsqueeze(-1)
+    lap = ((ratio * out[1:]).sum(0) - 2 * D * out[0]) / eps**2
+    return out[0], lap + (problem.shift - problem.potential(x)).unsqueeze(-1) * out[0]
+
+
+def paper_step(problem, batch_size: int, steps: int, warmup: int = 2) -> dict:
+    """Median wall and CPU seconds per NeuralSVD-seq step (fd) of the full-graph step and
+    of the current one, on one model each, alternating which runs first."""
+    config = preset("paper", problem, method="neuralsvd-seq", batch_size=batch_size)
+    hamiltonians = {
+        "full graph": lambda m, x: _full_graph_hamiltonian(m, problem, x, config.fd_eps),
+        "this step": lambda m, x: negative_hamiltonian(m, problem, x, "fd", config.fd_eps),
+    }
+    runs = {}
+    for name, hamiltonian in hamiltonians.items():
+        model = build_model(config, problem)
+        params = list(model.parameters())
+        runs[name] = dict(
+            hamiltonian=hamiltonian, model=model, params=params,
+            method=make_method(config.method, model.n_modes, config),
+            opt=torch.optim.RMSprop(params, lr=config.lr),
+            gen=torch.Generator().manual_seed(0), wall=[], cpu=[],
+        )
+    for i in range(warmup + steps):
+        for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+            r = runs[name]
+            wall, cpu = time.perf_counter(), time.process_time()
+            x = problem.sample(batch_size, r["gen"], "cpu", torch.float32)
+            ft, Tft = r["hamiltonian"](r["model"], x)
+            loss, _ = r["method"](ft, Tft, r["params"])
+            r["opt"].zero_grad(set_to_none=True)
+            loss.backward()
+            r["opt"].step()
+            if i >= warmup:
+                r["wall"].append(time.perf_counter() - wall)
+                r["cpu"].append(time.process_time() - cpu)
+    return {name: {"wall": statistics.median(r["wall"]), "cpu": statistics.median(r["cpu"])}
+            for name, r in runs.items()}
+
+
+def _paper_step_table(rows: dict) -> None:
+    print("\nNeuralSVD-seq step, fd Laplacian, paper architecture (hydrogen, L = 16, 3x128 "
+          "MLPs, K = 1024), 1 thread: median seconds per step, wall (CPU); the paper's code "
+          "was timed separately on the same machine\n"
+          "\n| batch | full graph (before) | this step | ratio wall (CPU) | paper's code | "
+          "target |\n|---|---|---|---|---|---|")
+    for b, r in rows.items():
+        old, new = r["full graph"], r["this step"]
+        lo, hi = PAPER_CODE[b]
+        print(f"| {b} | {old['wall']:.3f} ({old['cpu']:.3f}) | {new['wall']:.3f} "
+              f"({new['cpu']:.3f}) | {old['wall'] / new['wall']:.2f}x "
+              f"({old['cpu'] / new['cpu']:.2f}x) | {lo:.2f}-{hi:.2f} | <= {TARGET[b]:.2f} |")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--out", default="runs/pde-bench")
@@ -71,10 +149,27 @@ def main(argv=None):
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-grid", action="store_true")
+    parser.add_argument("--paper-step", action="store_true",
+                        help="only time the NeuralSVD-seq step against the full-graph one, "
+                             "interleaved, hydrogen at batch 128 and 512 on 1 thread (ignores "
+                             "--problem and --threads)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.paper_step:
+        torch.set_num_threads(1)  # as the paper's code was timed
+        rows = {}
+        for b in (128, 512):
+            rows[b] = paper_step(make_problem("hydrogen"), b, args.steps)
+            print(f"batch {b}: " + ", ".join(
+                f"{k} {v['wall']:.3f} s/step wall, {v['cpu']:.3f} cpu" for k, v in rows[b].items()
+            ), flush=True)
+        (out / "paper_step.json").write_text(json.dumps(
+            {"problem": "hydrogen", "threads": 1, "steps": args.steps,
+             "paper_code": PAPER_CODE, "target": TARGET, "seconds_per_step": rows}, indent=1))
+        _paper_step_table(rows)
+        return
+    torch.set_num_threads(args.threads)
     problem = make_problem(args.problem)
     result: dict = {"problem": args.problem, "threads": args.threads,
                     "device": str(pick_device())}

@@ -1,10 +1,13 @@
 """The finite-difference and autograd Laplacians agree with each other and with the
-analytic eigen-equation, including through the importance weight."""
+analytic eigen-equation, including through the importance weight; the step built on them
+(T f a constant) gives every method the gradients of the full-graph computation."""
 
+import pytest
 import torch
 from torch import nn
 
 from training.pde.laplacian import exact_laplacian, fd_laplacian, negative_hamiltonian
+from training.pde.methods import make_method
 from training.pde.networks import DisjointMLPs
 from training.pde.problems import make_problem
 
@@ -19,7 +22,7 @@ def test_fd_and_exact_laplacian_agree_on_a_network_with_importance_weight():
     net = _net()
     x = 16 * torch.randn(64, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     f1, lap_fd = fd_laplacian(net, problem.log_weight, x, eps=0.01)
-    f2, lap_ex = exact_laplacian(net, problem.log_weight, x, net.n_modes, create_graph=False)
+    f2, lap_ex = exact_laplacian(net, problem.log_weight, x, net.n_modes)
     torch.testing.assert_close(f1, f2)
     assert ((lap_fd - lap_ex).abs().max() / lap_ex.abs().max()) < 1e-4
 
@@ -29,7 +32,7 @@ def test_exact_laplacian_of_a_quadratic():
     fn = lambda x: (x**2).sum(-1, keepdim=True) if x.dim() == 2 else (x**2).sum(-1).T  # noqa: E731
     x = torch.randn(10, 3, dtype=torch.float64)
     zero = lambda z: torch.zeros(z.shape[:-1], dtype=z.dtype)  # noqa: E731
-    _, lap = exact_laplacian(fn, zero, x, n_modes=1, create_graph=False)
+    _, lap = exact_laplacian(fn, zero, x, n_modes=1)
     torch.testing.assert_close(lap, torch.full_like(lap, 6.0))
     _, lap_fd = fd_laplacian(fn, zero, x, eps=0.01)
     torch.testing.assert_close(lap_fd, torch.full_like(lap, 6.0))
@@ -59,6 +62,68 @@ def test_operator_maps_weighted_eigenfunctions_to_eigenvalue_times_themselves():
         x = 2 + 3 * torch.rand(32, 2, generator=gen, dtype=torch.float64)  # off the origin
         lam = torch.tensor(problem.eigenvalues_true, dtype=torch.float64)
         for lap in ("fd", "exact"):
-            ft, Tft = negative_hamiltonian(model, problem, x, lap, 0.01, create_graph=False)
+            ft, Tft = negative_hamiltonian(model, problem, x, lap, 0.01)
             err = (Tft - lam * ft).abs().max() / (lam * ft).abs().max()
             assert err < (1e-3 if lap == "fd" else 1e-8), (name, lap, err)
+
+
+# ------------------------------------------------ the step against the full-graph one
+
+
+def _full_graph_hamiltonian(model, problem, x, laplacian, eps=0.01):
+    """The computation the step used before T f became a constant: every stencil point
+    (fd) or a second-order graph (exact) tracked by autograd, T f carrying that graph."""
+    B, D = x.shape
+    if laplacian == "fd":
+        shifts = torch.zeros(2 * D + 1, D, dtype=x.dtype)
+        idx = torch.arange(D)
+        shifts[1 + idx, idx] = eps
+        shifts[1 + D + idx, idx] = -eps
+        pts = (x.unsqueeze(0) + shifts.unsqueeze(1)).reshape(-1, D)  # centre first
+        out = model(pts).reshape(2 * D + 1, B, -1)
+        logw = problem.log_weight(pts).reshape(2 * D + 1, B)
+        ratio = torch.exp(0.5 * (logw[1:] - logw[:1])).unsqueeze(-1)
+        ft, lap = out[0], ((ratio * out[1:]).sum(0) - 2 * D * out[0]) / eps**2
+    else:
+        xr = x.unsqueeze(0).expand(model.n_modes, -1, -1).clone().requires_grad_(True)
+        ft = model(xr)
+        f = ft * torch.exp(0.5 * problem.log_weight(xr)).T
+        (grad,) = torch.autograd.grad(f.sum(), xr, create_graph=True)
+        lap = sum(
+            torch.autograd.grad(grad[..., i].sum(), xr, create_graph=True)[0][..., i].T
+            for i in range(D)
+        )
+        lap = lap * torch.exp(-0.5 * problem.log_weight(x)).unsqueeze(-1)
+    return ft, lap + (problem.shift - problem.potential(x)).unsqueeze(-1) * ft
+
+
+@pytest.mark.parametrize("laplacian", ["fd", "exact"])
+@pytest.mark.parametrize("method", ["neuralsvd-seq", "neuralsvd-jnt", "neuralef", "spin"])
+def test_step_gradients_equal_those_of_the_full_graph(method, laplacian):
+    problem = make_problem("hydrogen")
+    net = _net(L=4, K=8, kappa=0.5)
+    params = list(net.parameters())
+    x = problem.sample(32, torch.Generator().manual_seed(3), "cpu", torch.float64)
+    config = type("C", (), {"spin_decay": 0.9})()
+    results = []
+    for hamiltonian in (negative_hamiltonian, _full_graph_hamiltonian):
+        ft, Tft = hamiltonian(net, problem, x, laplacian, 0.01)
+        loss, eigs = make_method(method, 4, config)(ft, Tft, params)
+        results.append((Tft.detach(), loss, eigs, torch.autograd.grad(loss, params)))
+    (Tft, loss, eigs, grads), (Tft_ref, loss_ref, eigs_ref, grads_ref) = results
+    scale = Tft_ref.abs().max()
+    torch.testing.assert_close(Tft, Tft_ref, rtol=1e-9, atol=1e-9 * scale)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-9, atol=0)
+    torch.testing.assert_close(eigs, eigs_ref, rtol=1e-9, atol=0)
+    for g, r in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-9 * r.abs().max())
+    assert all(r.abs().max() > 0 for r in grads_ref)
+
+
+@pytest.mark.parametrize("laplacian", ["fd", "exact"])
+def test_only_the_functions_carry_a_graph(laplacian):
+    problem = make_problem("hydrogen")
+    net = _net()
+    x = problem.sample(8, torch.Generator().manual_seed(4), "cpu", torch.float64)
+    ft, Tft = negative_hamiltonian(net, problem, x, laplacian, 0.01)
+    assert ft.requires_grad and not Tft.requires_grad

@@ -1,5 +1,6 @@
 """The batched disjoint MLPs equal L separate networks evaluated one by one; the Fourier
-frequencies have standard deviation 2 pi kappa."""
+frequencies have standard deviation 2 pi kappa; the finite-difference stencil built from the
+centres' features equals the network evaluated at the shifted points."""
 
 import math
 
@@ -41,6 +42,8 @@ def test_bad_inputs_are_errors():
         DisjointMLPs(3, 2, 4, 1.0, 0)
     with pytest.raises(ValueError, match="fourier_scale must be positive"):
         DisjointMLPs(3, 2, 4, -1.0, 8)
+    with pytest.raises(ValueError, match="x requires grad"):
+        net.fd_stencil(torch.zeros(4, 2, requires_grad=True), 0.01)
 
 
 def test_fourier_frequencies_have_std_two_pi_kappa():
@@ -80,3 +83,23 @@ def test_oscillator_cpu_features_resolve_the_targets():
     # reading N(0, 2 pi kappa) as a variance instead (std sqrt(2 pi) ~ 2.5 at kappa = 1)
     # would not rescue these features either
     assert _feature_fit_residual(math.sqrt(2 * math.pi) / (2 * math.pi)).min() > 0.5
+
+
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_fd_stencil_equals_the_network_at_the_shifted_points(ndim):
+    gen = torch.Generator().manual_seed(2)
+    net = DisjointMLPs(4, ndim, 16, 0.5, 12, generator=gen).double()
+    x = 3 * torch.randn(20, ndim, generator=gen, dtype=torch.float64)
+    eps = 0.01
+    shifts = eps * torch.cat([torch.eye(ndim), -torch.eye(ndim)]).double()  # (2D, D)
+    expected = net((x + shifts.unsqueeze(1)).reshape(-1, ndim)).reshape(2 * ndim, 20, 4)
+    for modes_per_product in (1, 3, 4):  # per mode (the CPU's default), in chunks, all
+        centre, shifted = net.fd_stencil(x, eps, modes_per_product)
+        assert shifted.shape == (2 * ndim, 20, 4) and not shifted.requires_grad
+        torch.testing.assert_close(shifted, expected, rtol=1e-12, atol=1e-12)
+    # the centre is the forward pass, with its graph
+    torch.testing.assert_close(centre, net(x), rtol=0, atol=0)
+    grads = torch.autograd.grad(centre.square().sum(), list(net.parameters()))
+    grads_ref = torch.autograd.grad(net(x).square().sum(), list(net.parameters()))
+    for g, r in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, r)

@@ -23,7 +23,7 @@ def learned_functions(
     x = x.double().cpu()
     fs, Tfs = [], []
     for xc in x.split(chunk):
-        ft, Tft = negative_hamiltonian(model, problem, xc, laplacian, eps, create_graph=False)
+        ft, Tft = negative_hamiltonian(model, problem, xc, laplacian, eps)
         sw = torch.exp(0.5 * problem.log_weight(xc)).unsqueeze(-1)  # (n, 1), sqrt(w)
         fs.append((sw * ft).detach())
         Tfs.append((sw * Tft).detach())

@@ -19,59 +19,70 @@ Fn = Callable[[torch.Tensor], torch.Tensor]
 
 def fd_laplacian(fn: Fn, log_weight: Fn, x: torch.Tensor, eps: float = 0.01):
     """Central differences sum_i (f(x+eps e_i) + f(x-eps e_i) - 2 f(x)) / eps^2 of
-    f = sqrt(w) fn, divided by sqrt(w(x)). All 2D+1 stencil points go through fn in one
-    call. fn: (N, D) -> (N, L); log_weight: (N, D) -> (N,); x: (B, D).
-    Returns (fn(x), laplacian(f)(x) / sqrt(w(x))), both (B, L)."""
+    f = sqrt(w) fn, divided by sqrt(w(x)). fn: (N, D) -> (N, L); log_weight: (N, D) ->
+    (N,); x: (B, D). Returns (fn(x), laplacian(f)(x) / sqrt(w(x))), both (B, L).
+
+    Only fn(x) keeps its autograd graph: the Laplacian is returned as a constant, as
+    every method uses it, so the 2D shifted evaluations are made without one and the
+    backward pass runs through the B centres alone. fn may provide
+    ``fd_stencil(x, eps) -> (fn(x), fn at x + eps e_i then x - eps e_i: (2D, B, L))``
+    (``DisjointMLPs`` does, reusing the centres' Fourier features); otherwise it is
+    evaluated at the shifted points."""
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps!r}")
     B, D = x.shape
-    shifts = torch.zeros(2 * D + 1, D, dtype=x.dtype, device=x.device)
+    shifts = torch.zeros(2 * D, D, dtype=x.dtype, device=x.device)
     idx = torch.arange(D, device=x.device)
-    shifts[1 + idx, idx] = eps
-    shifts[1 + D + idx, idx] = -eps
-    pts = x.unsqueeze(0) + shifts.unsqueeze(1)  # (2D+1, B, D): centre, +eps e_i, -eps e_i
-    out = fn(pts.reshape(-1, D)).reshape(2 * D + 1, B, -1)  # (2D+1, B, L)
-    logw = log_weight(pts.reshape(-1, D)).reshape(2 * D + 1, B)
-    ratio = torch.exp(0.5 * (logw[1:] - logw[:1]))  # (2D, B): sqrt(w(x_shift) / w(x))
-    neighbours = (ratio.unsqueeze(-1) * out[1:]).sum(0)  # (B, L)
-    lap = (neighbours - 2 * D * out[0]) / eps**2
-    return out[0], lap
+    shifts[idx, idx] = eps
+    shifts[D + idx, idx] = -eps
+    pts = x.unsqueeze(0) + shifts.unsqueeze(1)  # (2D, B, D): +eps e_i, then -eps e_i
+    stencil = getattr(fn, "fd_stencil", None)
+    if stencil is not None:
+        centre, shifted = stencil(x, eps)
+    else:
+        centre = fn(x)  # (B, L)
+        with torch.no_grad():
+            shifted = fn(pts.reshape(-1, D)).reshape(2 * D, B, -1)  # (2D, B, L)
+    with torch.no_grad():
+        logw = log_weight(torch.cat([x.unsqueeze(0), pts]).reshape(-1, D)).reshape(-1, B)
+        ratio = torch.exp(0.5 * (logw[1:] - logw[:1]))  # (2D, B): sqrt(w(x_shift) / w(x))
+        neighbours = (ratio.unsqueeze(-1) * shifted).sum(0)  # (B, L)
+        lap = (neighbours - 2 * D * centre) / eps**2
+    return centre, lap
 
 
-def exact_laplacian(fn: Fn, log_weight: Fn, x: torch.Tensor, n_modes: int, create_graph=True):
-    """The same quantity by autograd (D + 1 backward passes). fn must accept one input per
-    mode, (L, B, D) -> (B, L), so that d f_l / d x is separate for each mode l."""
-    L = n_modes
+def exact_laplacian(fn: Fn, log_weight: Fn, x: torch.Tensor, n_modes: int):
+    """The same quantity by autograd (D + 1 backward passes in x). fn must accept one input
+    per mode, (L, B, D) -> (B, L), so that d f_l / d x is separate for each mode l.
+
+    As for ``fd_laplacian`` the Laplacian is a constant: its passes build no graph of
+    their own and free the network's, and fn(x) is evaluated once more for the caller's
+    graph, which then holds the B centres alone (backward through the inputs of the
+    first pass would cost a second first-layer product)."""
+    L, D = n_modes, x.shape[1]
     xr = x.detach().unsqueeze(0).expand(L, -1, -1).clone().requires_grad_(True)  # (L, B, D)
     with torch.enable_grad():
         ft = fn(xr)  # (B, L)
         f = ft * torch.exp(0.5 * log_weight(xr)).T  # (B, L), f = sqrt(w) f~ per mode input
         (grad,) = torch.autograd.grad(f.sum(), xr, create_graph=True)  # (L, B, D)
         lap = torch.zeros_like(f)
-        D = x.shape[1]
         for i in range(D):
-            (g2,) = torch.autograd.grad(
-                grad[..., i].sum(), xr, create_graph=create_graph,
-                retain_graph=create_graph or i < D - 1,
-            )
+            (g2,) = torch.autograd.grad(grad[..., i].sum(), xr, retain_graph=i < D - 1)
             lap = lap + g2[..., i].T
-    return ft, lap * torch.exp(-0.5 * log_weight(x)).unsqueeze(-1)
+    return fn(x), lap * torch.exp(-0.5 * log_weight(x)).unsqueeze(-1)
 
 
 LAPLACIANS = ("fd", "exact")
 
 
-def negative_hamiltonian(
-    model, problem, x: torch.Tensor, laplacian: str = "fd", eps: float = 0.01, create_graph=True
-):
-    """(f~, (T f) / sqrt(w)) at x: (B, D), both (B, L), for T = laplacian - V + shift."""
+def negative_hamiltonian(model, problem, x: torch.Tensor, laplacian: str = "fd", eps: float = 0.01):
+    """(f~, (T f) / sqrt(w)) at x: (B, D), both (B, L), for T = laplacian - V + shift.
+    f~ keeps its autograd graph; T f is a constant (no graph): the methods use it so."""
     if laplacian == "fd":
         ft, lap = fd_laplacian(model, problem.log_weight, x, eps)
     elif laplacian == "exact":
-        ft, lap = exact_laplacian(
-            model, problem.log_weight, x, model.n_modes, create_graph=create_graph
-        )
+        ft, lap = exact_laplacian(model, problem.log_weight, x, model.n_modes)
     else:
         raise ValueError(f"laplacian must be one of {LAPLACIANS}, got {laplacian!r}")
     diag = (problem.shift - problem.potential(x)).unsqueeze(-1)  # (B, 1)
-    return ft, lap + diag * ft
+    return ft, lap + diag * ft.detach()

@@ -75,7 +75,71 @@ class DisjointMLPs(nn.Module):
             )
         proj = torch.bmm(x, self.freq.to(x.dtype))  # (L, B, K)
         h = torch.cat([torch.cos(proj), torch.sin(proj), x], dim=-1)  # (L, B, 2K+D)
-        h = F.softplus(torch.baddbmm(self.b1, h, self.w1))  # (L, B, H)
-        h = F.softplus(torch.baddbmm(self.b2, h, self.w2))  # (L, B, H)
-        out = torch.baddbmm(self.b3, h, self.w3)  # (L, B, 1)
-        return out.squeeze(-1).T  # (B, L)
+        return self._head(torch.baddbmm(self.b1, h, self.w1))
+
+    def _head(self, a: torch.Tensor, modes: slice = slice(None)) -> torch.Tensor:
+        """Layers 2 and 3 of the given modes from their first layer's pre-activation:
+        (n, N, H) -> (N, n)."""
+        h = F.softplus(a)
+        h = F.softplus(torch.baddbmm(self.b2[modes], h, self.w2[modes]))  # (n, N, H)
+        out = torch.baddbmm(self.b3[modes], h, self.w3[modes])  # (n, N, 1)
+        return out.squeeze(-1).T  # (N, n)
+
+    def fd_stencil(
+        self, x: torch.Tensor, eps: float, modes_per_product: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The network on the central-difference stencil of x: (B, D) -> (f~(x): (B, L)
+        with its autograd graph, f~ at x + eps e_i for i < D then at x - eps e_i:
+        (2D, B, L) without one; a finite-difference Laplacian treats those as constants).
+
+        The shifted points' Fourier features are not recomputed. With u = B_l x, v_i =
+        eps B_l e_i, c_i = cos v_i and s_i = sin v_i (per feature), the angle-addition
+        formulas give the first layer's pre-activation
+
+            a(x +- eps e_i) = [cos u, sin u] @ (c_i * [W_c; W_s])
+                              +- [cos u, sin u] @ (s_i * [W_s; -W_c]) + (x +- eps e_i) W_x + b,
+
+        c_i and s_i scaling the weights' rows. Scaling the (2K, H) weights rather than the
+        (B, 2K) features keeps that cost independent of the batch, and the trigonometric
+        functions are evaluated at the B centres only.
+
+        modes_per_product: modes evaluated together at the shifted points; None: one on
+        the CPU (see below), all of them elsewhere (where each product is a kernel launch).
+        """
+        L, D, H = self.n_modes, self.ndim, self.w2.shape[-1]
+        if x.dim() != 2 or x.shape[1] != D:
+            raise ValueError(f"stencil centres must be (B, {D}), got {tuple(x.shape)}")
+        if x.requires_grad:
+            raise ValueError("fd_stencil differentiates the parameters only; x requires grad")
+        B, K = x.shape[0], self.freq.shape[-1]
+        m = modes_per_product or (1 if x.device.type == "cpu" else L)
+        xl = x.unsqueeze(0).expand(L, -1, -1)  # (L, B, D)
+        # In chunks of m modes, through to the output: on the CPU a chunk's features,
+        # scaled weights and activations stay in cache, and no large temporary is allocated
+        # (on this machine a fresh large tensor costs more in page faults than its fill).
+        with torch.no_grad():
+            freq, w = self.freq.to(x.dtype), self.w1.detach()  # (L, D, K), (L, 2K+D, H)
+            c, s = torch.cos(eps * freq).repeat(1, 1, 2), torch.sin(eps * freq).repeat(1, 1, 2)
+            h = x.new_empty(L, B, 2 * K + D)  # the centres' features [cos u, sin u, x]
+            h[..., 2 * K :] = xl
+            shifted = x.new_empty(2 * D * B, L)  # rows of x + eps e_i, then of x - eps e_i
+            for lo in range(0, L, m):
+                ls = slice(lo, lo + m)
+                u = torch.bmm(xl[ls], freq[ls])  # (n, B, K)
+                torch.cos(u, out=h[ls, :, :K])
+                torch.sin(u, out=h[ls, :, K : 2 * K])
+                trig = h[ls, :, : 2 * K]  # (n, B, 2K)
+                w_trig, w_x = w[ls, : 2 * K], w[ls, 2 * K :]  # (n, 2K, H): [W_c; W_s], (n, D, H)
+                w_swap = torch.cat([w[ls, K : 2 * K], -w[ls, :K]], 1)  # [W_s; -W_c]
+                even = torch.stack(
+                    [torch.bmm(trig, w_trig * c[ls, i, :, None]) for i in range(D)], 1
+                )  # (n, D, B, H)
+                odd = torch.stack(
+                    [torch.bmm(trig, w_swap * s[ls, i, :, None]) for i in range(D)], 1
+                )
+                even += torch.baddbmm(self.b1[ls], xl[ls], w_x).unsqueeze(1)  # + x W_x + b
+                odd += eps * w_x.unsqueeze(2)  # + eps e_i W_x
+                a = torch.stack([even + odd, even - odd], 1)  # (n, 2, D, B, H)
+                shifted[:, ls] = self._head(a.view(a.shape[0], 2 * D * B, H), ls)
+        centre = self._head(torch.baddbmm(self.b1, h, self.w1))  # (B, L)
+        return centre, shifted.view(2 * D, B, L)
