@@ -42,7 +42,7 @@ def free_port() -> int:
 
 def prepare_index(out: Path, data: Path, classes: int | None) -> Path:
     """An index over sketchy-mini photos from a cpu-preset-shaped untrained checkpoint."""
-    if (out / "index" / "index.json").is_file():
+    if (out / "index" / "CURRENT").is_file():
         return out / "index"
     sys.path.insert(0, str(REPO))
     import torch

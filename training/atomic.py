@@ -29,6 +29,15 @@ def _atomic(path: str | Path, mode: str, write: Callable[[IO], None]) -> Path:
     return path
 
 
+def fsync_dir(path: str | Path) -> None:
+    """Flush a folder's entries (a rename or a new file in it) to disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_save(obj, path: str | Path) -> Path:
     """``torch.save(obj)`` to ``path`` atomically."""
     return _atomic(path, "wb", lambda fh: torch.save(obj, fh))

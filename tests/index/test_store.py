@@ -1,23 +1,30 @@
 """Index build/load: FAISS against brute force, atomic writes, sidecar checks, append."""
 
 import json
+import os
 
 import numpy as np
 import pytest
 from PIL import Image
 
 import index.build as build_mod
+import index.store as store_mod
 from index import add as add_mod
 from index.build import build_index
 from index.gallery import embed_photos, scan_gallery
 from index.kinds import KINDS, recall_at_k
 from index.store import (
+    INDEX_FILE,
     META_FILE,
+    POINTER_FILE,
     SIDECAR_FILE,
     IndexCorruptError,
+    IndexLockedError,
     IndexMismatchError,
     IndexNotFoundError,
+    IndexWriter,
     Sidecar,
+    current_version,
     load_index,
 )
 from tests.fakes import FakeEmbedder, make_gallery
@@ -102,12 +109,13 @@ def test_build_prints_recall_for_approximate_kind(tmp_path, gallery, embedder):
 
 def test_sidecar_describes_the_index(tmp_path, gallery, embedder):
     build_index(embedder, gallery, tmp_path / "ix", tmp_path / "ckpt.pt", dims=6, progress=False)
-    raw = json.loads((tmp_path / "ix" / SIDECAR_FILE).read_text())
+    version = current_version(tmp_path / "ix")
+    raw = json.loads((version / SIDECAR_FILE).read_text())
     assert raw["checkpoint_sha256"] == embedder.checkpoint_sha256
     assert (raw["L"], raw["dims"], raw["count"], raw["metric"], raw["kind"]) == (
         8, 6, 15, "inner_product", "flat")
     assert raw["backbone"] == "fake-thumbnail" and raw["created"]
-    rows = [json.loads(line) for line in (tmp_path / "ix" / META_FILE).read_text().splitlines()]
+    rows = [json.loads(line) for line in (version / META_FILE).read_text().splitlines()]
     assert rows[0] == {"id": "c0_0_000", "class": "class0", "path": "class0/c0_0_000.jpg"}
 
 
@@ -121,8 +129,9 @@ def test_failed_write_leaves_no_index_and_keeps_the_old_one(tmp_path, gallery, e
     monkeypatch.setattr(Sidecar, "to_json", disk_full)
     with pytest.raises(OSError, match="disk full"):
         build_index(embedder, gallery, out, "ckpt.pt", progress=False)
-    assert not out.exists()
-    assert list(tmp_path.iterdir()) == [tmp_path / "photos"]  # no temp folder left behind
+    with pytest.raises(IndexCorruptError, match="not a complete index"):
+        load_index(out)
+    assert [p.name for p in out.iterdir()] == [".lock"]  # no temp folder left behind
     monkeypatch.undo()
 
     first = build_index(embedder, gallery, out, "ckpt.pt", dims=8, progress=False)
@@ -133,16 +142,18 @@ def test_failed_write_leaves_no_index_and_keeps_the_old_one(tmp_path, gallery, e
     kept = load_index(out)
     assert kept.sidecar == first.sidecar and kept.dims == 8
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ix", "photos"]
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "CURRENT", current_version(out).name]
 
 
 def test_half_written_or_inconsistent_index_is_refused(tmp_path, gallery, embedder):
     out = tmp_path / "ix"
     build_index(embedder, gallery, out, "ckpt.pt", progress=False)
-    meta = (out / META_FILE).read_text().splitlines()
-    (out / META_FILE).write_text("\n".join(meta[:-1]) + "\n")
+    version = current_version(out)
+    meta = (version / META_FILE).read_text().splitlines()
+    (version / META_FILE).write_text("\n".join(meta[:-1]) + "\n")
     with pytest.raises(IndexCorruptError, match="15 vectors, meta.jsonl 14 rows"):
         load_index(out)
-    (out / SIDECAR_FILE).unlink()
+    (version / SIDECAR_FILE).unlink()
     with pytest.raises(IndexCorruptError, match="not a complete index"):
         load_index(out)
     with pytest.raises(IndexNotFoundError, match="nowhere"):
@@ -232,3 +243,85 @@ def test_refuses_to_replace_a_folder_that_is_not_an_index(tmp_path, gallery, emb
     empty = tmp_path / "empty"
     empty.mkdir()
     assert build_index(embedder, gallery, empty, "ckpt.pt", progress=False).sidecar.count == 15
+
+
+def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path, gallery, embedder):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+    make_gallery(gallery, classes=1, per_class=2, seed=7)
+    with IndexWriter(out):  # another process, as far as flock is concerned
+        with pytest.raises(IndexLockedError, match=rf"being written by another process \(pid "
+                                                   rf"{os.getpid()} holds '.*\.lock'\)"):
+            add_mod.append_photos(embedder, out, gallery, progress=False)
+        with pytest.raises(IndexLockedError):
+            build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+        assert load_index(out).sidecar.count == 15  # readers take no lock
+    assert add_mod.append_photos(embedder, out, gallery, progress=False).added == 2
+
+
+def test_versions_swap_through_the_pointer_and_old_ones_are_removed(tmp_path, gallery, embedder):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", dims=8, progress=False)
+    first = current_version(out)
+    assert (out / POINTER_FILE).read_text() == first.name + "\n"
+    build_index(embedder, gallery, out, "ckpt.pt", dims=6, progress=False)
+    second = current_version(out)
+    assert second != first and first.is_dir()  # kept for readers that followed the old pointer
+    (out / ".tmp-0123456789abcdef0123456789abcdef").mkdir()  # left by a killed writer
+    build_index(embedder, gallery, out, "ckpt.pt", dims=4, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [".lock", POINTER_FILE, second.name, current_version(out).name])
+    assert load_index(out).dims == 4
+
+
+def test_a_reader_whose_version_is_removed_meanwhile_follows_the_new_pointer(
+        tmp_path, gallery, embedder, monkeypatch):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", dims=8, progress=False)
+    load_version = store_mod._load_version
+    calls = []
+
+    def two_writes_first(folder, version, *args):
+        if not calls:  # between reading CURRENT and opening the files, two writers run
+            for dims in (6, 4):
+                build_index(embedder, gallery, out, "ckpt.pt", dims=dims, progress=False)
+            assert not version.exists()
+        calls.append(version)
+        return load_version(folder, version, *args)
+
+    monkeypatch.setattr(store_mod, "_load_version", two_writes_first)
+    assert load_index(out).dims == 4 and len(calls) == 2
+
+
+def test_index_folder_of_earlier_code_is_read_and_converted_by_the_next_write(
+        tmp_path, gallery, embedder):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", dims=8, progress=False)
+    version = current_version(out)
+    for name in (INDEX_FILE, META_FILE, SIDECAR_FILE):  # the flat layout: files in the folder
+        (version / name).rename(out / name)
+    for p in (version, out / POINTER_FILE, out / ".lock"):
+        p.rmdir() if p.is_dir() else p.unlink()
+    assert current_version(out) == out and load_index(out).sidecar.count == 15
+    make_gallery(gallery, classes=1, per_class=2, seed=7)
+    assert add_mod.append_photos(embedder, out, gallery, progress=False).added == 2
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [".lock", POINTER_FILE, current_version(out).name]
+    assert load_index(out).sidecar.count == 17
+
+
+def test_missing_index_names_the_leftover_of_an_interrupted_earlier_rebuild(tmp_path):
+    (tmp_path / ".ix.old-1a2b3c4d").mkdir()
+    with pytest.raises(IndexNotFoundError, match=r"left '.*\.ix\.old-1a2b3c4d': rename it"):
+        load_index(tmp_path / "ix")
+
+
+def test_pointer_to_a_missing_or_odd_version_is_refused(tmp_path, gallery, embedder):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+    (out / POINTER_FILE).write_text("../../etc\n")
+    with pytest.raises(IndexCorruptError, match="not a version name"):
+        load_index(out)
+    (out / POINTER_FILE).write_text("v-20240101T000000Z-0123456789ab\n")
+    with pytest.raises(IndexCorruptError, match="which is missing"):
+        load_index(out)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 from fastapi.testclient import TestClient
 
-from index.store import SIDECAR_FILE, IndexMismatchError, read_sidecar
+from index.store import SIDECAR_FILE, IndexMismatchError, current_version, read_sidecar
 from service.engine import find_checkpoint
 from service.main import create_app
 from service.settings import Settings
@@ -21,7 +21,8 @@ def test_checkpoint_from_setting_then_sidecar_then_next_to_index(tmp_path, real_
     moved = tmp_path / "run" / "index"
     shutil.copytree(real_index, moved)
     side = dataclasses.asdict(read_sidecar(moved))
-    (moved / SIDECAR_FILE).write_text(json.dumps({**side, "checkpoint": "/gone/checkpoint.pt"}))
+    (current_version(moved) / SIDECAR_FILE).write_text(
+        json.dumps({**side, "checkpoint": "/gone/checkpoint.pt"}))
     with pytest.raises(FileNotFoundError, match="tried '/gone/checkpoint.pt'"):
         find_checkpoint(Settings(index=moved))
     shutil.copy(real_checkpoint, moved.parent / "checkpoint.pt")
