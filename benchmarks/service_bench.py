@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -53,14 +54,14 @@ def prepare_index(out: Path, data: Path, classes: int | None) -> Path:
 
     torch.set_num_threads(2)
     photos = data / "photo"
-    if classes is not None:  # a smaller gallery: links to the first `classes` classes
+    if classes is not None:  # a smaller gallery: copies (the index refuses outside links)
         photos = out / "photos"
         for cls in sorted(p.name for p in (data / "photo").iterdir())[:classes]:
             (photos / cls).mkdir(parents=True, exist_ok=True)
             for f in (data / "photo" / cls).iterdir():
-                link = photos / cls / f.name
-                if not link.exists():
-                    link.symlink_to(f)
+                copy = photos / cls / f.name
+                if not copy.exists():
+                    shutil.copyfile(f, copy)
     ckpt = init_checkpoint(out / "checkpoint.pt", L=256, hidden=1024, image_size=224)
     build_index(load_embedder(ckpt, device="cpu"), photos, out / "index", ckpt)
     return out / "index"

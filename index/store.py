@@ -13,7 +13,8 @@ temporaries of killed writers are removed by later writers. An index written by 
 (the three files directly in OUT, no CURRENT) is still read; the next write converts it.
 
 Loading checks that the three files agree, so a half-written or hand-edited index is refused,
-and that the checkpoint is the one the index was built from.
+that the checkpoint is the one the index was built from, and that every photo path is
+relative and stays below the photo root.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import shutil
 import uuid
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import faiss
 import numpy as np
@@ -352,6 +353,18 @@ def _read_sidecar_at(version: Path) -> Sidecar:
     return Sidecar.from_json(text, str(path))
 
 
+def check_photo_path(path: object, where: str) -> str:
+    """A meta path must be relative, without `..`: a photo lives below the photo root."""
+    if not isinstance(path, str) or not path:
+        raise IndexCorruptError(f"{where}: photo path {path!r} is not a relative path")
+    if PurePosixPath(path).is_absolute() or ".." in PurePosixPath(path).parts or "\0" in path:
+        raise IndexCorruptError(
+            f"{where}: photo path {path!r} leaves the photo root (absolute or with '..'); "
+            "photos must live below the root; rebuild the index"
+        )
+    return path
+
+
 def read_meta(path: Path) -> list[Photo]:
     photos = []
     with open(path, encoding="utf-8") as f:
@@ -362,6 +375,7 @@ def read_meta(path: Path) -> list[Photo]:
             except (json.JSONDecodeError, KeyError, TypeError) as err:
                 msg = f"{str(path)!r} line {line_no} is malformed: {err}"
                 raise IndexCorruptError(msg) from err
+            check_photo_path(photos[-1].path, f"{str(path)!r} line {line_no}")
     return photos
 
 

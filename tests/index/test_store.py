@@ -28,6 +28,7 @@ from index.store import (
     load_index,
 )
 from tests.fakes import FakeEmbedder, make_gallery
+from training.folders import DataError
 
 
 @pytest.fixture
@@ -171,23 +172,23 @@ def test_loading_with_another_checkpoint_names_both_hashes(tmp_path, gallery, em
 
 
 def test_append_adds_new_photos_and_equals_a_rebuild(tmp_path, embedder):
-    a = make_gallery(tmp_path / "a", classes=3, per_class=5, seed=0)
-    b = make_gallery(tmp_path / "b", classes=2, per_class=3, seed=1)
+    photos = make_gallery(tmp_path / "photos", classes=3, per_class=5, seed=0)
     out = tmp_path / "ix"
-    build_index(embedder, a, out, "ckpt.pt", progress=False)
-    report = add_mod.append_photos(embedder, out, b, progress=False)
-    assert (report.added, report.skipped, report.sidecar.count) == (6, 0, 21)
-    again = add_mod.append_photos(embedder, out, b, progress=False)
-    assert (again.added, again.skipped, again.sidecar.count) == (0, 6, 21)
+    build_index(embedder, photos, out, "ckpt.pt", progress=False)
+    _, first = scan_gallery(photos)
+    make_gallery(photos, classes=2, per_class=3, seed=1)  # new photos in the same gallery
+    report = add_mod.append_photos(embedder, out, photos, progress=False)
+    assert (report.added, report.skipped, report.sidecar.count) == (6, 15, 21)
+    again = add_mod.append_photos(embedder, out, photos, progress=False)
+    assert (again.added, again.skipped, again.sidecar.count) == (0, 21, 21)
 
     ix = load_index(out)
-    root_a, photos_a = scan_gallery(a)
-    root_b, photos_b = scan_gallery(b)
-    expected = np.concatenate([embed_photos(embedder, root_a, photos_a, 8, progress=False),
-                               embed_photos(embedder, root_b, photos_b, 8, progress=False)])
+    root, every = scan_gallery(photos)
+    added = [p for p in every if p not in first]
+    expected = np.concatenate([embed_photos(embedder, root, first, 8, progress=False),
+                               embed_photos(embedder, root, added, 8, progress=False)])
     np.testing.assert_allclose(ix.index.reconstruct_n(0, 21), expected, rtol=1e-6)
-    assert [p.id for p in ix.photos] == [p.id for p in photos_a + photos_b]
-    assert ix.photo_path(ix.photos[-1]) == (root_b / photos_b[-1].path)
+    assert ix.photos == first + added  # paths relative to the root, as a build writes them
     scores, rows = ix.search(expected[15:], k=1)
     assert np.all(rows[:, 0] >= 15)  # appended photos are found
 
@@ -214,12 +215,12 @@ def test_cli_build_and_append(tmp_path, gallery, embedder, monkeypatch, capsys):
     text = capsys.readouterr().out
     assert "15 photos, kind=ivf, dims=4 of L=8" in text
     assert "recall@10 vs exact at d=4" in text and f"python -m service --index {out}" in text
-    more = make_gallery(tmp_path / "more", classes=1, per_class=2, seed=3)
-    assert build_mod.main(["--checkpoint", "ck.pt", "--photos", str(more), "--out", str(out),
+    make_gallery(gallery, classes=1, per_class=2, seed=3)
+    assert build_mod.main(["--checkpoint", "ck.pt", "--photos", str(gallery), "--out", str(out),
                            "--append", "--no-progress"]) == 0
     assert "added 2 photos" in capsys.readouterr().out
-    more2 = make_gallery(tmp_path / "more2", classes=1, per_class=1, seed=4)
-    assert add_mod.main(["--index", str(out), "--photos", str(more2), "--no-progress"]) == 0
+    make_gallery(gallery, classes=1, per_class=1, seed=4)
+    assert add_mod.main(["--index", str(out), "--photos", str(gallery), "--no-progress"]) == 0
     assert load_index(out).sidecar.count == 18
     with pytest.raises(SystemExit):
         build_mod.main(["--checkpoint", "x", "--photos", "y", "--out", "z", "--bogus", "1"])
@@ -324,4 +325,47 @@ def test_pointer_to_a_missing_or_odd_version_is_refused(tmp_path, gallery, embed
         load_index(out)
     (out / POINTER_FILE).write_text("v-20240101T000000Z-0123456789ab\n")
     with pytest.raises(IndexCorruptError, match="which is missing"):
+        load_index(out)
+
+
+def test_build_refuses_a_photo_that_links_outside_the_gallery(tmp_path, gallery, embedder):
+    secret = tmp_path / "secret.jpg"
+    Image.new("RGB", (8, 8)).save(secret)
+    (gallery / "class0" / "leak.jpg").symlink_to(secret)
+    with pytest.raises(DataError, match=r"photo '.*/class0/leak\.jpg' is a link to '.*secret\.jpg"
+                                        r"', outside the photo folder '.*photos'"):
+        build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt", progress=False)
+    (gallery / "class0" / "leak.jpg").unlink()
+    (gallery / "class3").symlink_to(make_gallery(tmp_path / "elsewhere", classes=1) / "class0")
+    with pytest.raises(DataError, match="class3/c0_0_000.jpg' is a link to"):
+        build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt", progress=False)
+    (gallery / "class3").unlink()
+    (gallery / "class0" / "again.jpg").symlink_to(gallery / "class1" / "c1_0_000.jpg")
+    assert build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt",  # inside: fine
+                       progress=False).sidecar.count == 16
+
+
+def test_append_refuses_photos_outside_the_index_photo_root(tmp_path, gallery, embedder):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+    other = make_gallery(tmp_path / "other", classes=1, per_class=2, seed=3)
+    with pytest.raises(DataError, match=rf"photo '{other}/class0/c0_3_000.jpg' is outside the "
+                                        rf"index's photo root '{gallery.resolve()}'"):
+        add_mod.append_photos(embedder, out, other, progress=False)
+    assert load_index(out).sidecar.count == 15
+    make_gallery(gallery / "class0", classes=1, per_class=2, seed=3)  # below the root: fine
+    report = add_mod.append_photos(embedder, out, gallery / "class0", progress=False)
+    assert report.added == 2
+    assert load_index(out).photos[-1].path == "class0/class0/c0_3_001.jpg"
+
+
+@pytest.mark.parametrize("path", ["../secret.jpg", "class0/../../secret.jpg", "/etc/passwd"])
+def test_meta_paths_that_leave_the_photo_root_are_refused(tmp_path, gallery, embedder, path):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+    meta = current_version(out) / META_FILE
+    rows = [json.loads(line) for line in meta.read_text().splitlines()]
+    rows[3]["path"] = path
+    meta.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(IndexCorruptError, match=rf"line 4: photo path '{path}' leaves the photo"):
         load_index(out)
