@@ -42,9 +42,20 @@ def build_model(config: Config, problem: Problem) -> DisjointMLPs:
     )
 
 
+def _read(path, map_location) -> dict:
+    """The checkpoint dict; only tensors and plain values are unpickled (weights_only), so a
+    crafted file cannot run code. ValueError names a file that is not a checkpoint."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised with the file named
+        raise ValueError(f"{str(path)!r} is not a training.pde checkpoint: {e}") from e
+
+
 def load_checkpoint(path, map_location="cpu") -> tuple[Config, DisjointMLPs, dict]:
     """(config, EMA model, the raw checkpoint): the model is rebuilt from the stored config."""
-    ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    ckpt = _read(path, map_location)
     config = Config(**ckpt["config"])
     model = build_model(config, problem_of(config))
     model.load_state_dict(ckpt["ema"])
@@ -88,7 +99,7 @@ def train(config: Config, progress: bool = True) -> tuple[DisjointMLPs, dict]:
     step, seconds, running = 0, 0.0, torch.zeros(L, dtype=torch.float64)
 
     if config.resume and ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        ckpt = _read(ckpt_path, device)
         _check_resumable(ckpt["config"], config)
         model.load_state_dict(ckpt["model"])
         ema.load_state_dict(ckpt["ema"])
