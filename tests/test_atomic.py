@@ -1,3 +1,6 @@
+import os
+import stat
+
 import pytest
 import torch
 
@@ -41,3 +44,15 @@ def test_savefig_writes_a_png_and_closes_the_figure(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not plt.fignum_exists(fig.number)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png"]
+
+
+@pytest.mark.parametrize(("umask", "expected"), [(0o022, 0o644), (0o077, 0o600)])
+def test_files_are_readable_by_others_as_the_umask_allows(tmp_path, umask, expected):
+    old = os.umask(umask)
+    try:
+        atomic_save({"w": torch.arange(3)}, tmp_path / "ckpt.pt")
+        atomic_write_text("{}", tmp_path / "metrics.json")
+    finally:
+        os.umask(old)
+    for name in ("ckpt.pt", "metrics.json"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == expected, name

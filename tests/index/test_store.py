@@ -2,6 +2,7 @@
 
 import json
 import os
+import stat
 
 import numpy as np
 import pytest
@@ -369,3 +370,20 @@ def test_meta_paths_that_leave_the_photo_root_are_refused(tmp_path, gallery, emb
     meta.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(IndexCorruptError, match=rf"line 4: photo path '{path}' leaves the photo"):
         load_index(out)
+
+
+def test_index_files_and_folders_are_readable_by_a_service_of_another_user(tmp_path, gallery,
+                                                                          embedder):
+    old = os.umask(0o022)
+    try:
+        build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt", progress=False)
+    finally:
+        os.umask(old)
+    out = tmp_path / "ix"
+    version = current_version(out)
+    modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode)
+             for p in [out, version, *out.iterdir(), *version.iterdir()]}
+    assert modes == {
+        "ix": 0o755, f"ix/{version.name}": 0o755, "ix/.lock": 0o644, "ix/CURRENT": 0o644,
+        **{f"ix/{version.name}/{n}": 0o644 for n in (INDEX_FILE, META_FILE, SIDECAR_FILE)},
+    }
