@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -42,7 +43,7 @@ def free_port() -> int:
 
 def prepare_index(out: Path, data: Path, classes: int | None) -> Path:
     """An index over sketchy-mini photos from a cpu-preset-shaped untrained checkpoint."""
-    if (out / "index" / "index.json").is_file():
+    if (out / "index" / "CURRENT").is_file():
         return out / "index"
     sys.path.insert(0, str(REPO))
     import torch
@@ -53,14 +54,14 @@ def prepare_index(out: Path, data: Path, classes: int | None) -> Path:
 
     torch.set_num_threads(2)
     photos = data / "photo"
-    if classes is not None:  # a smaller gallery: links to the first `classes` classes
+    if classes is not None:  # a smaller gallery: copies (the index refuses outside links)
         photos = out / "photos"
         for cls in sorted(p.name for p in (data / "photo").iterdir())[:classes]:
             (photos / cls).mkdir(parents=True, exist_ok=True)
             for f in (data / "photo" / cls).iterdir():
-                link = photos / cls / f.name
-                if not link.exists():
-                    link.symlink_to(f)
+                copy = photos / cls / f.name
+                if not copy.exists():
+                    shutil.copyfile(f, copy)
     ckpt = init_checkpoint(out / "checkpoint.pt", L=256, hidden=1024, image_size=224)
     build_index(Embedder.from_checkpoint(ckpt, device="cpu"), photos, out / "index", ckpt)
     return out / "index"

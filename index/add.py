@@ -4,7 +4,9 @@
 
 Photos already in the index (same id, same file) are skipped; an id that names a different
 file is an error. The checkpoint defaults to the one recorded in the sidecar and must have
-the same hash. The index folder is replaced atomically.
+the same hash. New photos must live below the index's photo root (the sidecar's
+`photos_root`): meta paths are relative to it, and the service serves nothing outside it.
+The new version replaces the current one atomically, under the index's writer lock.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from index.gallery import embed_photos, scan_gallery
-from index.store import Sidecar, load_index, now_utc, read_sidecar, write_index
+from index.store import IndexWriter, Sidecar, load_index, now_utc, read_sidecar
 from index.threads import set_threads
 from training import cli
 from training.cdk.embedder import Embedder
+from training.folders import DataError
 
 log = logging.getLogger(__name__)
 
@@ -38,35 +41,45 @@ def append_photos(
     batch_size: int = 32,
     progress: bool = True,
 ) -> AppendReport:
-    """Embed the photos of `photos` not yet in the index and add them to it."""
-    current = load_index(index_dir, checkpoint_sha256=embedder.checkpoint_sha256, mmap=False)
-    old_root = Path(current.sidecar.photos_root)
-    root, gallery = scan_gallery(photos)
-    new = []
-    skipped = 0
-    for p in gallery:
-        row = current.rows.get(p.id)
-        if row is None:
-            # Keep paths relative to the index's root when they live under it.
+    """Embed the photos of `photos` not yet in the index and add them to it.
+
+    Holds the index's writer lock from reading the current version to writing the new one,
+    so two appends never both start from the same version (one would drop the other's
+    photos). DataError names a photo outside the index's photo root.
+    """
+    with IndexWriter(index_dir, create=False) as writer:
+        current = load_index(index_dir, checkpoint_sha256=embedder.checkpoint_sha256,
+                             mmap=False)
+        old_root = Path(current.sidecar.photos_root).resolve()
+        root, gallery = scan_gallery(photos)
+        new = []
+        skipped = 0
+        for p in gallery:
             path = (root / p.path).resolve()
-            inside = path.is_relative_to(old_root)
-            rel = path.relative_to(old_root).as_posix() if inside else str(path)
-            new.append(dataclasses.replace(p, path=rel))
-            continue
-        known = current.photo_path(current.photos[row]).resolve()
-        if known != (root / p.path).resolve():
-            raise ValueError(
-                f"photo id {p.id!r} is already in the index as {str(known)!r}; "
-                f"cannot add {str(root / p.path)!r} under the same id"
-            )
-        skipped += 1
-    if new:
-        vectors = embed_photos(embedder, old_root, new, current.dims, batch_size, progress)
-        current.index.add(vectors)
-    sidecar = dataclasses.replace(
-        current.sidecar, count=current.index.ntotal, created=now_utc()
-    )
-    out = write_index(index_dir, current.index, sidecar, [*current.photos, *new])
+            row = current.rows.get(p.id)
+            if row is None:
+                if not path.is_relative_to(old_root):
+                    raise DataError(
+                        f"photo {str(root / p.path)!r} is outside the index's photo root "
+                        f"{str(old_root)!r}; put new photos below it (the index stores paths "
+                        "relative to it and serves nothing else)"
+                    )
+                new.append(dataclasses.replace(p, path=path.relative_to(old_root).as_posix()))
+                continue
+            known = current.photo_path(current.photos[row]).resolve()
+            if known != path:
+                raise ValueError(
+                    f"photo id {p.id!r} is already in the index as {str(known)!r}; "
+                    f"cannot add {str(root / p.path)!r} under the same id"
+                )
+            skipped += 1
+        if new:
+            vectors = embed_photos(embedder, old_root, new, current.dims, batch_size, progress)
+            current.index.add(vectors)
+        sidecar = dataclasses.replace(
+            current.sidecar, count=current.index.ntotal, created=now_utc()
+        )
+        out = writer.commit(current.index, sidecar, [*current.photos, *new])
     log.info("appended %d photos (%d already indexed) to %s", len(new), skipped, out)
     return AppendReport(out, sidecar, len(new), skipped)
 

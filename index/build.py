@@ -23,10 +23,10 @@ from index.search import recall_at_k
 from index.store import (
     FORMAT_VERSION,
     METRIC,
+    IndexWriter,
     Sidecar,
     check_replaceable,
     now_utc,
-    write_index,
 )
 from index.threads import set_threads
 from training import cli
@@ -75,33 +75,36 @@ def build_index(
     recall_k: int = 10,
     progress: bool = True,
 ) -> BuildReport:
-    """Embed the gallery `photos` and atomically write an index folder at `out`."""
+    """Embed the gallery `photos` and write an index folder at `out` (the new version
+    replaces the current one atomically; another writer of `out` is an IndexLockedError)."""
     start = time.perf_counter()
     dims = embedder.L if dims is None else dims
     if not 1 <= dims <= embedder.L:
         raise ValueError(f"--dims {dims} is outside [1, L={embedder.L}] of the checkpoint")
     check_replaceable(Path(out).absolute())  # fail before minutes of embedding, not after
     root, gallery = scan_gallery(photos)
-    kind = choose_kind(len(gallery), kind)
-    vectors = embed_photos(embedder, root, gallery, dims, batch_size, progress)  # (N, dims)
-    index = KINDS[kind](vectors)
-    recall = {}
-    if kind != "flat":
-        recall = {d: recall_at_k(index, vectors, k=recall_k, dims=d) for d in prefix_dims(dims)}
-    sidecar = Sidecar(
-        format=FORMAT_VERSION,
-        checkpoint_sha256=embedder.checkpoint_sha256,
-        checkpoint=str(Path(checkpoint).absolute()),
-        backbone=embedder.backbone,
-        L=int(embedder.L),
-        dims=dims,
-        metric=METRIC,
-        count=len(gallery),
-        kind=kind,
-        created=now_utc(),
-        photos_root=str(root),
-    )
-    path = write_index(out, index, sidecar, gallery)
+    with IndexWriter(out) as writer:  # held while embedding: a second writer fails at once
+        kind = choose_kind(len(gallery), kind)
+        vectors = embed_photos(embedder, root, gallery, dims, batch_size, progress)  # (N, dims)
+        index = KINDS[kind](vectors)
+        recall = {}
+        if kind != "flat":
+            recall = {d: recall_at_k(index, vectors, k=recall_k, dims=d)
+                      for d in prefix_dims(dims)}
+        sidecar = Sidecar(
+            format=FORMAT_VERSION,
+            checkpoint_sha256=embedder.checkpoint_sha256,
+            checkpoint=str(Path(checkpoint).absolute()),
+            backbone=embedder.backbone,
+            L=int(embedder.L),
+            dims=dims,
+            metric=METRIC,
+            count=len(gallery),
+            kind=kind,
+            created=now_utc(),
+            photos_root=str(root),
+        )
+        path = writer.commit(index, sidecar, gallery)
     return BuildReport(path, sidecar, recall, time.perf_counter() - start)
 
 

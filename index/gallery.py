@@ -39,8 +39,9 @@ def scan_gallery(folder: str | Path) -> tuple[Path, list[Photo]]:
     """List the photos of a gallery folder, sorted by (class, file).
 
     Returns the resolved root (what `Photo.path` is relative to) and the photos. DataError
-    when the folder has no class subfolders, no photos or a stray file, or when two photos
-    share an id or an id breaks `ID_PATTERN`.
+    when the folder has no class subfolders, no photos or a stray file, when two photos
+    share an id or an id breaks `ID_PATTERN`, or when a photo is a link to a file outside
+    the root (the service serves files below the root only).
     """
     root, by_class = scan_folder(folder)
     photos: list[Photo] = []
@@ -49,6 +50,11 @@ def scan_gallery(folder: str | Path) -> tuple[Path, list[Photo]]:
         for f in files:
             pid = f.stem
             rel = f.relative_to(root).as_posix()
+            if not f.resolve().is_relative_to(root):
+                raise DataError(
+                    f"photo {str(f)!r} is a link to {str(f.resolve())!r}, outside the photo "
+                    f"folder {str(root)!r}; copy the file into the folder instead"
+                )
             if not ID_PATTERN.match(pid):
                 raise DataError(
                     f"photo {str(f)!r} has id {pid!r}; ids must match {ID_PATTERN.pattern}"

@@ -1,28 +1,41 @@
-"""An index on disk: `index.faiss`, the `index.json` sidecar and the `meta.jsonl` table.
+"""An index on disk: a folder of versions and a pointer file naming the current one.
 
-Writes are atomic: everything is written into a temporary sibling folder, the sidecar last,
-then the folder is renamed into place. Loading checks that the three files agree, so a
-half-written or hand-edited index is refused, and that the checkpoint is the one the
-index was built from.
+    OUT/CURRENT              the name of the current version (one line)
+    OUT/v-<UTC time>-<hex>/  index.faiss, meta.jsonl and the index.json sidecar
+    OUT/.lock                held (flock) by the one process writing OUT
+
+A writer stages a version in OUT/.tmp-<hex>/, fsyncs its files and the folder, renames it to
+OUT/v-.../, then replaces CURRENT (temp file, fsync, rename, fsync OUT). Readers follow
+CURRENT, so a writer killed at any moment leaves the old index (before the rename of CURRENT)
+or the new one (after). The version CURRENT named before a write is kept until the next write,
+so a reader that just followed the old pointer still finds it; older versions and the
+temporaries of killed writers are removed by later writers. An index written by earlier code
+(the three files directly in OUT, no CURRENT) is still read; the next write converts it.
+
+Loading checks that the three files agree, so a half-written or hand-edited index is refused,
+that the checkpoint is the one the index was built from, and that every photo path is
+relative and stays below the photo root.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import re
 import shutil
-import tempfile
 import uuid
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import faiss
 import numpy as np
 
 from index.gallery import Photo
 from index.search import pad_queries
+from training.files import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +44,12 @@ INDEX_FILE = "index.faiss"
 SIDECAR_FILE = "index.json"
 META_FILE = "meta.jsonl"
 METRIC = "inner_product"
+POINTER_FILE = "CURRENT"
+LOCK_FILE = ".lock"
+VERSION_NAME = re.compile(r"^v-\d{8}T\d{6}Z-[0-9a-f]{12}$")
+STAGE_NAME = re.compile(r"^\.tmp-[0-9a-f]{32}$")
+POINTER_TEMP_NAME = re.compile(r"^\.CURRENT\.tmp-[0-9a-f]{32}$")
+FLAT_FILES = (INDEX_FILE, META_FILE, SIDECAR_FILE)  # the layout of earlier code, directly in OUT
 
 
 class IndexStoreError(Exception):
@@ -47,6 +66,10 @@ class IndexCorruptError(IndexStoreError):
 
 class IndexMismatchError(IndexStoreError):
     """The index was built from a different checkpoint."""
+
+
+class IndexLockedError(IndexStoreError):
+    """Another process is writing the index folder."""
 
 
 @dataclass(frozen=True)
@@ -125,73 +148,221 @@ class GalleryIndex:
         return root / photo.path
 
 
+def _is_ours(name: str) -> bool:
+    return (name in (*FLAT_FILES, POINTER_FILE, LOCK_FILE) or bool(VERSION_NAME.match(name))
+            or bool(STAGE_NAME.match(name)) or bool(POINTER_TEMP_NAME.match(name)))
+
+
 def check_replaceable(out: Path) -> None:
-    """Only an empty folder or a folder holding exactly an index may be replaced."""
+    """Only an empty folder or an index folder (either layout) may be written."""
     if not out.exists():
         return
     if not out.is_dir():
         raise FileExistsError(f"{str(out)!r} exists and is not a folder; not replacing it")
     names = {p.name for p in out.iterdir()}
-    ours = {INDEX_FILE, SIDECAR_FILE, META_FILE}
-    if names and (SIDECAR_FILE not in names or not names <= ours):
+    marked = names & {SIDECAR_FILE, POINTER_FILE, LOCK_FILE}
+    if names and (not marked or not all(map(_is_ours, names))):
+        others = sorted(n for n in names if not _is_ours(n))
         raise FileExistsError(
             f"{str(out)!r} exists and is not an index folder (it holds "
-            f"{sorted(names - ours)[:5] or sorted(names)}); choose another --out"
+            f"{others[:5] or sorted(names)[:5]}); choose another --out"
         )
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Create `path` (it must not exist) holding `text`, flushed to disk; mode 0666 & ~umask."""
+    with open(path, "x", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_pointer(folder: Path) -> str | None:
+    """The version CURRENT names; None when there is no CURRENT (earlier layout or no index)."""
+    try:
+        name = (folder / POINTER_FILE).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None
+    if not VERSION_NAME.match(name):
+        raise IndexCorruptError(
+            f"{str(folder / POINTER_FILE)!r} holds {name[:80]!r}, not a version name; rebuild "
+            f"the index with python -m index.build --out {folder}"
+        )
+    return name
+
+
+def current_version(folder: str | Path) -> Path:
+    """The folder holding the three files of the current index of `folder`.
+
+    That is `folder/<name in CURRENT>`, or `folder` itself for an index written by earlier
+    code. IndexNotFoundError when there is no folder, IndexCorruptError when it holds no
+    complete index.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        leftovers = sorted(folder.parent.glob(f".{folder.name}.old-*")) if folder.name else []
+        hint = (f"; an interrupted rebuild by an earlier version left {str(leftovers[0])!r}: "
+                f"rename it to {str(folder)!r} or rebuild" if leftovers else "")
+        raise IndexNotFoundError(f"no index folder at {str(folder)!r}{hint}")
+    name = _read_pointer(folder)
+    if name is None:
+        if (folder / SIDECAR_FILE).is_file():
+            return folder
+        raise IndexCorruptError(
+            f"{str(folder)!r} has no {POINTER_FILE} (nor an {SIDECAR_FILE} of the earlier "
+            "layout): it is not a complete index (an interrupted first build leaves none); "
+            "rebuild it"
+        )
+    version = folder / name
+    if not version.is_dir():
+        raise IndexCorruptError(f"{str(folder / POINTER_FILE)!r} names {name!r}, which is "
+                                "missing; rebuild the index")
+    return version
+
+
+class IndexWriter:
+    """The one writer of an index folder: holds an exclusive lock on OUT/.lock while open.
+
+        with IndexWriter(out) as writer:
+            ...  # read the current index, embed photos
+            writer.commit(index, sidecar, photos)
+
+    IndexLockedError when another process holds the lock (it is released by the kernel
+    when that process dies, however it dies). Entering removes the temporaries of killed
+    writers; `commit` swaps in the new version, then removes versions older than the one it
+    replaced. `create=False` requires OUT to exist (appending).
+    """
+
+    def __init__(self, out: str | Path, create: bool = True):
+        self.out = Path(out).absolute()
+        self.create = create
+        self._fd: int | None = None
+
+    def __enter__(self) -> IndexWriter:
+        out = self.out
+        check_replaceable(out)
+        if not out.is_dir():
+            if not self.create:
+                raise IndexNotFoundError(f"no index folder at {str(out)!r}")
+            out.mkdir(parents=True)  # 0777 & ~umask: a service running as another user reads it
+            fsync_dir(out.parent)
+        fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise IndexLockedError(
+                f"index {str(out)!r} is being written by another process (pid {holder} holds "
+                f"{str(out / LOCK_FILE)!r}); wait for it to finish, then run again"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        self._remove(n for n in os.listdir(out)
+                     if STAGE_NAME.match(n) or POINTER_TEMP_NAME.match(n))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def _remove(self, names) -> None:
+        for name in names:
+            path = self.out / name
+            log.info("removing %s", path)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+
+    def commit(self, index: faiss.Index, sidecar: Sidecar, photos: list[Photo]) -> Path:
+        """Write a new version and make it current; returns OUT."""
+        if self._fd is None:
+            raise RuntimeError("IndexWriter.commit called outside its `with` block")
+        if index.ntotal != sidecar.count or len(photos) != sidecar.count:
+            raise ValueError(
+                f"index holds {index.ntotal} vectors and the table {len(photos)} photos; "
+                f"the sidecar says {sidecar.count}"
+            )
+        out = self.out
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        name = f"v-{stamp}-{uuid.uuid4().hex[:12]}"
+        stage = out / f".tmp-{uuid.uuid4().hex}"
+        os.mkdir(stage)  # 0777 & ~umask, unlike mkdtemp's 0700
+        try:
+            faiss.write_index(index, str(stage / INDEX_FILE))
+            _fsync_file(stage / INDEX_FILE)
+            _write_text(stage / META_FILE, "".join(
+                json.dumps({"id": p.id, "class": p.cls, "path": p.path}) + "\n" for p in photos))
+            _write_text(stage / SIDECAR_FILE, sidecar.to_json())
+            fsync_dir(stage)
+            os.rename(stage, out / name)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+        fsync_dir(out)
+        previous = _read_pointer(out)
+        pointer = out / f".CURRENT.tmp-{uuid.uuid4().hex}"
+        try:
+            _write_text(pointer, name + "\n")
+            os.rename(pointer, out / POINTER_FILE)
+        except BaseException:
+            pointer.unlink(missing_ok=True)
+            raise
+        fsync_dir(out)  # the new pointer is durable: from here on the old version may go
+        keep = {name, previous}
+        self._remove(n for n in os.listdir(out) if VERSION_NAME.match(n) and n not in keep)
+        self._remove(n for n in FLAT_FILES if (out / n).exists())  # converted from the old layout
+        log.info("wrote %s index of %d photos (%d dims) to %s (version %s)", sidecar.kind,
+                 sidecar.count, sidecar.dims, out, name)
+        return out
 
 
 def write_index(
     out_dir: str | Path, index: faiss.Index, sidecar: Sidecar, photos: list[Photo]
 ) -> Path:
-    """Atomically write (or replace) the index folder `out_dir`; returns its path."""
-    if index.ntotal != sidecar.count or len(photos) != sidecar.count:
-        raise ValueError(
-            f"index holds {index.ntotal} vectors and the table {len(photos)} photos; "
-            f"the sidecar says {sidecar.count}"
-        )
-    out = Path(out_dir).absolute()
-    check_replaceable(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        faiss.write_index(index, str(tmp / INDEX_FILE))
-        with open(tmp / META_FILE, "w", encoding="utf-8") as f:
-            for p in photos:
-                f.write(json.dumps({"id": p.id, "class": p.cls, "path": p.path}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        # The sidecar is written last: a folder without it is never a complete index.
-        with open(tmp / SIDECAR_FILE, "w", encoding="utf-8") as f:
-            f.write(sidecar.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log.info("wrote %s index of %d photos (%d dims) to %s", sidecar.kind, sidecar.count,
-             sidecar.dims, out)
-    return out
+    """Write (or replace) the index folder `out_dir` under its lock; returns its path."""
+    with IndexWriter(out_dir) as writer:
+        return writer.commit(index, sidecar, photos)
 
 
 def read_sidecar(folder: str | Path) -> Sidecar:
-    """Read and check `index.json` of an index folder."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise IndexNotFoundError(f"no index folder at {str(folder)!r}")
-    path = folder / SIDECAR_FILE
-    if not path.is_file():
+    """Read and check the sidecar of the current index of `folder`."""
+    return _read_sidecar_at(current_version(folder))
+
+
+def _read_sidecar_at(version: Path) -> Sidecar:
+    path = version / SIDECAR_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
         raise IndexCorruptError(
-            f"{str(folder)!r} has no {SIDECAR_FILE}: it is not a complete index "
-            "(an interrupted build leaves no sidecar); rebuild it"
+            f"{str(version)!r} has no {SIDECAR_FILE}: it is not a complete index; rebuild it"
+        ) from None
+    return Sidecar.from_json(text, str(path))
+
+
+def check_photo_path(path: object, where: str) -> str:
+    """A meta path must be relative, without `..`: a photo lives below the photo root."""
+    if not isinstance(path, str) or not path:
+        raise IndexCorruptError(f"{where}: photo path {path!r} is not a relative path")
+    if PurePosixPath(path).is_absolute() or ".." in PurePosixPath(path).parts or "\0" in path:
+        raise IndexCorruptError(
+            f"{where}: photo path {path!r} leaves the photo root (absolute or with '..'); "
+            "photos must live below the root; rebuild the index"
         )
-    return Sidecar.from_json(path.read_text(encoding="utf-8"), str(path))
+    return path
 
 
 def read_meta(path: Path) -> list[Photo]:
@@ -204,18 +375,36 @@ def read_meta(path: Path) -> list[Photo]:
             except (json.JSONDecodeError, KeyError, TypeError) as err:
                 msg = f"{str(path)!r} line {line_no} is malformed: {err}"
                 raise IndexCorruptError(msg) from err
+            check_photo_path(photos[-1].path, f"{str(path)!r} line {line_no}")
     return photos
 
 
 def load_index(
     folder: str | Path, checkpoint_sha256: str | None = None, mmap: bool = True
 ) -> GalleryIndex:
-    """Open an index folder, check it is complete and (if given) built from that checkpoint.
+    """Open the current index of a folder, check it is complete and (if given) built from
+    that checkpoint.
 
     `mmap=True` maps the vectors read only (serving); `False` loads a writable copy (append).
+    Lock-free: a writer may swap versions meanwhile; a version removed while it was being
+    read is retried from the new pointer.
     """
     folder = Path(folder)
-    sidecar = read_sidecar(folder)
+    version = current_version(folder)
+    for _ in range(2):
+        try:
+            return _load_version(folder, version, checkpoint_sha256, mmap)
+        except IndexCorruptError:
+            newer = current_version(folder)
+            if newer == version:
+                raise
+            version = newer  # a writer removed the version being read: follow the new pointer
+    return _load_version(folder, version, checkpoint_sha256, mmap)
+
+
+def _load_version(folder: Path, version: Path, checkpoint_sha256: str | None, mmap: bool
+                  ) -> GalleryIndex:
+    sidecar = _read_sidecar_at(version)
     if checkpoint_sha256 is not None and checkpoint_sha256 != sidecar.checkpoint_sha256:
         raise IndexMismatchError(
             f"index {str(folder)!r} was built from checkpoint sha256 "
@@ -224,14 +413,17 @@ def load_index(
             f"python -m index.build --checkpoint CKPT --photos DIR --out {folder}"
         )
     for name in (INDEX_FILE, META_FILE):
-        if not (folder / name).is_file():
-            raise IndexCorruptError(f"index {str(folder)!r} is missing {name}")
+        if not (version / name).is_file():
+            raise IndexCorruptError(f"index {str(version)!r} is missing {name}")
     flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if mmap else 0
     try:
-        index = faiss.read_index(str(folder / INDEX_FILE), flags)
+        index = faiss.read_index(str(version / INDEX_FILE), flags)
     except RuntimeError as err:
-        raise IndexCorruptError(f"cannot read {str(folder / INDEX_FILE)!r}: {err}") from err
-    photos = read_meta(folder / META_FILE)
+        raise IndexCorruptError(f"cannot read {str(version / INDEX_FILE)!r}: {err}") from err
+    try:
+        photos = read_meta(version / META_FILE)
+    except FileNotFoundError as err:
+        raise IndexCorruptError(f"index {str(version)!r} is missing {META_FILE}") from err
     if not (index.ntotal == len(photos) == sidecar.count):
         raise IndexCorruptError(
             f"index {str(folder)!r} disagrees with itself: {INDEX_FILE} holds {index.ntotal} "
@@ -243,4 +435,3 @@ def load_index(
             f"L={sidecar.L}"
         )
     return GalleryIndex(folder, index, sidecar, photos)
-

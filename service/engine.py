@@ -6,6 +6,9 @@ Plain domain code, no HTTP: the routes call it and turn its errors into status c
 from __future__ import annotations
 
 import logging
+import mimetypes
+import os
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -116,15 +119,58 @@ class RetrievalEngine:
         ]
         return hits, timings
 
-    def photo_file(self, photo_id: str) -> Path:
-        """Path of a gallery photo by id; only ids in the index table are served."""
+    def read_photo(self, photo_id: str) -> tuple[bytes, str]:
+        """(bytes, media type) of a gallery photo by id; only files below the photo root.
+
+        The path is resolved and must stay below the (resolved) root, which refuses a link
+        to elsewhere placed after the build; the file is then opened one real folder at a
+        time without following links, so a link swapped in after that check fails too.
+        UnknownPhotoError messages name the id only, never a server path.
+        """
         row = self.gallery.rows.get(photo_id)
         if row is None:
             raise UnknownPhotoError(f"no photo with id {photo_id!r} in the index")
-        path = self.gallery.photo_path(self.gallery.photos[row], self.photos_root)
-        if not path.is_file():
-            raise UnknownPhotoError(f"photo {photo_id!r} is indexed but {str(path)!r} is missing")
-        return path
+        photo = self.gallery.photos[row]
+        root = Path(self.photos_root or self.gallery.sidecar.photos_root).resolve()
+        path = self.gallery.photo_path(photo, self.photos_root)
+        real = path.resolve()
+        if not real.is_relative_to(root):
+            log.warning("refusing photo %r: %s resolves to %s, outside the photo root %s",
+                        photo_id, path, real, root)
+            raise UnknownPhotoError(f"photo {photo_id!r} is indexed but its file is not "
+                                    "below the photo folder")
+        try:
+            data = read_below(root, real.relative_to(root))
+        except OSError as err:
+            log.warning("cannot serve photo %r from %s: %s", photo_id, path, err)
+            raise UnknownPhotoError(f"photo {photo_id!r} is indexed but its file is missing "
+                                    "or unreadable") from None
+        return data, mimetypes.guess_type(photo.path)[0] or "application/octet-stream"
+
+
+def read_below(root: Path, rel: Path) -> bytes:
+    """Bytes of the regular file `root/rel`, reached through real folders only.
+
+    Every step is opened relative to the previous folder with O_NOFOLLOW: a link anywhere
+    below `root` is an OSError (ELOOP or ENOTDIR), as is anything but a regular file.
+    """
+    if not rel.parts:
+        raise OSError(f"{rel} is the root itself")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in rel.parts[:-1]:
+            step = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = step
+        # O_NONBLOCK: a FIFO planted in the gallery must not hang the worker thread.
+        file_fd = os.open(rel.parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK,
+                          dir_fd=fd)
+    finally:
+        os.close(fd)
+    with os.fdopen(file_fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(f"{rel} is not a regular file")
+        return f.read()
 
 
 def find_checkpoint(settings: Settings) -> Path:

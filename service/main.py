@@ -11,7 +11,6 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 
-from index.store import IndexStoreError
 from service.engine import RetrievalEngine, load_engine
 from service.middleware import AccessLogMiddleware, BodyLimitMiddleware
 from service.routes import photos, retrieve, system, web
@@ -31,8 +30,8 @@ def create_app(
         start = time.perf_counter()
         try:
             app.state.engine = loader(settings)
-        except (IndexStoreError, OSError, ValueError, RuntimeError) as err:
-            log.error("cannot start: %s", err)
+        except Exception as err:  # noqa: BLE001 - logged with its reason, then re-raised
+            log.error("cannot start: %s: %s", type(err).__name__, err)
             raise
         log.info("ready in %.1fs", time.perf_counter() - start)
         yield

@@ -1,3 +1,4 @@
+import shutil
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,8 @@ def sketchy_mini() -> Path:
 
 @pytest.fixture(scope="session")
 def small_gallery(tmp_path_factory) -> Path:
-    """3 classes x 5 photos: links into sketchy-mini when it is there, else generated images."""
+    """3 classes x 5 photos: copies from sketchy-mini when it is there (not links: the index
+    refuses photos that lead outside the gallery), else generated images."""
     root = tmp_path_factory.mktemp("gallery") / "photos"
     if not (DATA / "photo").is_dir():
         from tests.fakes import make_gallery
@@ -35,7 +37,7 @@ def small_gallery(tmp_path_factory) -> Path:
     for cls in SMALL_CLASSES:
         (root / cls).mkdir(parents=True)
         for f in sorted((DATA / "photo" / cls).iterdir())[:5]:
-            (root / cls / f.name).symlink_to(f)
+            shutil.copyfile(f, root / cls / f.name)
     return root
 
 

@@ -58,3 +58,21 @@ def make_gallery(root, classes=3, per_class=5, size=32, seed=0):
             pixels = np.clip(base + rng.normal(0, 60, size=(size, size, 3)), 0, 255)
             Image.fromarray(pixels.astype(np.uint8)).save(d / f"c{c}_{seed}_{i:03d}.jpg")
     return root
+
+
+class _RunsCode:
+    """Unpickling this runs `code` (what a crafted checkpoint would do)."""
+
+    def __init__(self, code: str):
+        self.code = code
+
+    def __reduce__(self):
+        return exec, (self.code,)
+
+
+def crafted_checkpoint(path, marker, payload: dict | None = None):
+    """A torch.save file whose unpickling would create the file `marker`; `payload` is saved
+    beside the code (e.g. the format tags a loader checks first). Returns `path`."""
+    code = f"open({str(marker)!r}, 'w').write('ran')"
+    torch.save({**(payload or {}), "config": _RunsCode(code)}, path)
+    return path

@@ -1,4 +1,6 @@
 import hashlib
+import os
+import stat
 
 import pytest
 import torch
@@ -51,3 +53,15 @@ def test_file_sha256_matches_hashlib_across_chunks(tmp_path):
     path.write_bytes(data)
     assert file_sha256(path, chunk=1 << 16) == hashlib.sha256(data).hexdigest()
     assert file_sha256(path) == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize(("umask", "expected"), [(0o022, 0o644), (0o077, 0o600)])
+def test_files_are_readable_by_others_as_the_umask_allows(tmp_path, umask, expected):
+    old = os.umask(umask)
+    try:
+        atomic_save({"w": torch.arange(3)}, tmp_path / "ckpt.pt")
+        atomic_write_text("{}", tmp_path / "metrics.json")
+    finally:
+        os.umask(old)
+    for name in ("ckpt.pt", "metrics.json"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == expected, name

@@ -1,12 +1,13 @@
 """Files: atomic writes (a temp file beside the target, fsync, then rename over it, so a
-reader never sees a half-written checkpoint or metrics file) and the file hash that names a
+reader never sees a half-written checkpoint or metrics file; files get the usual mode,
+0666 & ~umask, so 0644 under the common umask 022) and the file hash that names a
 checkpoint."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -17,7 +18,10 @@ import torch
 def _atomic(path: str | Path, mode: str, write: Callable[[IO], None]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
+    # Mode 0666 & ~umask like any new file (mkstemp's 0600 hid checkpoints from a service
+    # running as another user); O_EXCL: never write through an existing name or link.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, mode) as fh:
             write(fh)
@@ -28,7 +32,17 @@ def _atomic(path: str | Path, mode: str, write: Callable[[IO], None]) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    fsync_dir(path.parent)  # the rename itself survives a crash
     return path
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Flush a folder's entries (a rename or a new file in it) to disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_save(obj, path: str | Path) -> Path:

@@ -1,9 +1,9 @@
-"""GET /photos/{id}: serve a gallery photo; only ids in the index table resolve to files."""
+"""GET /photos/{id}: serve a gallery photo; only ids in the index table resolve to files, and
+only files below the photo root are read (service.engine.RetrievalEngine.read_photo)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException
-from fastapi.responses import FileResponse
+from fastapi import APIRouter, HTTPException, Response
 
 from service.deps import EngineDep
 from service.engine import UnknownPhotoError
@@ -11,10 +11,12 @@ from service.engine import UnknownPhotoError
 router = APIRouter(tags=["photos"])
 
 
-@router.get("/photos/{photo_id}", name="photo", response_class=FileResponse)
-def photo(photo_id: str, engine: EngineDep) -> FileResponse:
+@router.get("/photos/{photo_id}", name="photo", response_class=Response,
+            responses={200: {"content": {"image/jpeg": {}}}})
+def photo(photo_id: str, engine: EngineDep) -> Response:
     try:
-        path = engine.photo_file(photo_id)
+        data, media_type = engine.read_photo(photo_id)
     except UnknownPhotoError as err:
         raise HTTPException(status_code=404, detail=err.args[0]) from err
-    return FileResponse(path, headers={"Cache-Control": "public, max-age=86400"})
+    return Response(data, media_type=media_type,
+                    headers={"Cache-Control": "public, max-age=86400"})

@@ -94,6 +94,37 @@ def test_feature_cache_reused_and_keyed_by_files(tmp_path):
     assert len(list(cache.iterdir())) == 2
 
 
+@pytest.mark.parametrize("damage", ["truncated", "empty", "nan", "garbage", "wrong rows"])
+def test_damaged_feature_cache_is_recomputed_with_a_warning(tmp_path, caplog, damage):
+    ds = scan(make_paired(tmp_path / "d", classes=("a",), photos=2, sketches_per_photo=1))
+    bb = build_backbone("efficientnet-lite0")
+    cache = tmp_path / "cache"
+    right = extract_features(ds.photos, bb, 32, cache)  # (2, 1280)
+    [entry] = cache.iterdir()
+    data = entry.read_bytes()
+    if damage == "truncated":
+        entry.write_bytes(data[: len(data) // 2])
+    elif damage == "empty":
+        entry.write_bytes(b"")
+    elif damage == "garbage":
+        entry.write_bytes(b"\x00" * 100)
+    else:
+        obj = torch.load(entry, weights_only=True)
+        if damage == "nan":
+            obj["features"][1, 7] = float("nan")
+        else:
+            obj["features"] = obj["features"][:1]
+        torch.save(obj, entry)
+    with caplog.at_level("WARNING", logger="training.cdk.features"):
+        again = extract_features(ds.photos, bb, 32, cache)
+    torch.testing.assert_close(again, right)
+    assert any(r.levelname == "WARNING" and "recomputing: feature cache" in r.getMessage()
+               and str(entry) in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    torch.testing.assert_close(extract_features(ds.photos, bb, 32, cache), right)  # rewritten
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
 def test_class_sampler_pair_distribution():
     # 3 classes with unequal sizes: 2/3/5 sketches, 1/2/4 photos.
     sl = np.array([0] * 2 + [1] * 3 + [2] * 5)

@@ -3,6 +3,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.fakes import crafted_checkpoint
 from training.cdk.checkpoint import init_checkpoint, load_checkpoint
 from training.cdk.embedder import Embedder
 
@@ -75,3 +76,52 @@ def test_not_a_checkpoint_is_a_clear_error(tmp_path):
         Embedder.from_checkpoint(init_checkpoint(tmp_path / "z.pt", L=4, hidden=8)).embed(
             _images(), "drawing")
 
+
+
+def test_crafted_checkpoint_is_refused_without_running_code(tmp_path):
+    marker = tmp_path / "ran"
+    bad = crafted_checkpoint(tmp_path / "evil.pt", marker, {"format": "sketchsvd-cdk",
+                                                            "version": 1})
+    with pytest.raises(ValueError, match="evil.pt' is not a sketchsvd CDK checkpoint"):
+        Embedder.from_checkpoint(bad)
+    assert not marker.exists()
+    torch.load(bad, weights_only=False)  # the file is a real threat: an unsafe load runs it
+    assert marker.read_text() == "ran"
+
+
+def test_incomplete_checkpoint_names_the_file_and_the_missing_keys(ckpt, tmp_path):
+    obj = load_checkpoint(ckpt)
+    del obj["head_arch"], obj["backbone"]["image_size"]
+    torch.save(obj, tmp_path / "cut.pt")
+    with pytest.raises(ValueError, match=r"cut.pt' is an incomplete CDK checkpoint: it lacks "
+                                         r"head_arch, backbone.image_size"):
+        Embedder.from_checkpoint(tmp_path / "cut.pt")
+    obj = load_checkpoint(ckpt)
+    del obj["heads"]["photo"]["mlp.0.weight"]
+    torch.save(obj, tmp_path / "heads.pt")
+    with pytest.raises(ValueError, match=r"heads.pt' photo head weights do not fit "
+                                         r"(?s:.*)mlp.0.weight"):
+        Embedder.from_checkpoint(tmp_path / "heads.pt")
+
+
+def test_hash_is_of_the_bytes_loaded_even_if_the_file_is_replaced_meanwhile(ckpt, tmp_path,
+                                                                          monkeypatch):
+    import hashlib
+    import shutil
+
+    import training.cdk.checkpoint as checkpoint_mod
+
+    path = shutil.copy(ckpt, tmp_path / "c.pt")
+    loaded = path.read_bytes()
+    other = init_checkpoint(tmp_path / "other.pt", L=8, hidden=16, image_size=64, seed=3)
+    real_load = torch.load
+
+    def load_then_replace(*args, **kwargs):
+        obj = real_load(*args, **kwargs)
+        shutil.copy(other, path)  # a new checkpoint lands right after the load
+        return obj
+
+    monkeypatch.setattr(checkpoint_mod.torch, "load", load_then_replace)
+    e = Embedder.from_checkpoint(path, device="cpu")
+    assert e.checkpoint_sha256 == hashlib.sha256(loaded).hexdigest()
+    assert e.checkpoint_sha256 != hashlib.sha256(path.read_bytes()).hexdigest()

@@ -1,27 +1,36 @@
 """Index build/load: FAISS against brute force, atomic writes, sidecar checks, append."""
 
 import json
+import os
+import stat
 
 import numpy as np
 import pytest
 from PIL import Image
 
 import index.build as build_mod
+import index.store as store_mod
 from index import add as add_mod
 from index.build import build_index
 from index.gallery import embed_photos, scan_gallery
 from index.kinds import KINDS
 from index.search import recall_at_k
 from index.store import (
+    INDEX_FILE,
     META_FILE,
+    POINTER_FILE,
     SIDECAR_FILE,
     IndexCorruptError,
+    IndexLockedError,
     IndexMismatchError,
     IndexNotFoundError,
+    IndexWriter,
     Sidecar,
+    current_version,
     load_index,
 )
 from tests.fakes import FakeEmbedder, make_gallery
+from training.folders import DataError
 
 
 @pytest.fixture
@@ -103,12 +112,13 @@ def test_build_prints_recall_for_approximate_kind(tmp_path, gallery, embedder):
 
 def test_sidecar_describes_the_index(tmp_path, gallery, embedder):
     build_index(embedder, gallery, tmp_path / "ix", tmp_path / "ckpt.pt", dims=6, progress=False)
-    raw = json.loads((tmp_path / "ix" / SIDECAR_FILE).read_text())
+    version = current_version(tmp_path / "ix")
+    raw = json.loads((version / SIDECAR_FILE).read_text())
     assert raw["checkpoint_sha256"] == embedder.checkpoint_sha256
     assert (raw["L"], raw["dims"], raw["count"], raw["metric"], raw["kind"]) == (
         8, 6, 15, "inner_product", "flat")
     assert raw["backbone"] == "fake-thumbnail" and raw["created"]
-    rows = [json.loads(line) for line in (tmp_path / "ix" / META_FILE).read_text().splitlines()]
+    rows = [json.loads(line) for line in (version / META_FILE).read_text().splitlines()]
     assert rows[0] == {"id": "c0_0_000", "class": "class0", "path": "class0/c0_0_000.jpg"}
 
 
@@ -122,8 +132,9 @@ def test_failed_write_leaves_no_index_and_keeps_the_old_one(tmp_path, gallery, e
     monkeypatch.setattr(Sidecar, "to_json", disk_full)
     with pytest.raises(OSError, match="disk full"):
         build_index(embedder, gallery, out, "ckpt.pt", progress=False)
-    assert not out.exists()
-    assert list(tmp_path.iterdir()) == [tmp_path / "photos"]  # no temp folder left behind
+    with pytest.raises(IndexCorruptError, match="not a complete index"):
+        load_index(out)
+    assert [p.name for p in out.iterdir()] == [".lock"]  # no temp folder left behind
     monkeypatch.undo()
 
     first = build_index(embedder, gallery, out, "ckpt.pt", dims=8, progress=False)
@@ -134,16 +145,18 @@ def test_failed_write_leaves_no_index_and_keeps_the_old_one(tmp_path, gallery, e
     kept = load_index(out)
     assert kept.sidecar == first.sidecar and kept.dims == 8
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ix", "photos"]
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "CURRENT", current_version(out).name]
 
 
 def test_half_written_or_inconsistent_index_is_refused(tmp_path, gallery, embedder):
     out = tmp_path / "ix"
     build_index(embedder, gallery, out, "ckpt.pt", progress=False)
-    meta = (out / META_FILE).read_text().splitlines()
-    (out / META_FILE).write_text("\n".join(meta[:-1]) + "\n")
+    version = current_version(out)
+    meta = (version / META_FILE).read_text().splitlines()
+    (version / META_FILE).write_text("\n".join(meta[:-1]) + "\n")
     with pytest.raises(IndexCorruptError, match="15 vectors, meta.jsonl 14 rows"):
         load_index(out)
-    (out / SIDECAR_FILE).unlink()
+    (version / SIDECAR_FILE).unlink()
     with pytest.raises(IndexCorruptError, match="not a complete index"):
         load_index(out)
     with pytest.raises(IndexNotFoundError, match="nowhere"):
@@ -161,23 +174,23 @@ def test_loading_with_another_checkpoint_names_both_hashes(tmp_path, gallery, em
 
 
 def test_append_adds_new_photos_and_equals_a_rebuild(tmp_path, embedder):
-    a = make_gallery(tmp_path / "a", classes=3, per_class=5, seed=0)
-    b = make_gallery(tmp_path / "b", classes=2, per_class=3, seed=1)
+    photos = make_gallery(tmp_path / "photos", classes=3, per_class=5, seed=0)
     out = tmp_path / "ix"
-    build_index(embedder, a, out, "ckpt.pt", progress=False)
-    report = add_mod.append_photos(embedder, out, b, progress=False)
-    assert (report.added, report.skipped, report.sidecar.count) == (6, 0, 21)
-    again = add_mod.append_photos(embedder, out, b, progress=False)
-    assert (again.added, again.skipped, again.sidecar.count) == (0, 6, 21)
+    build_index(embedder, photos, out, "ckpt.pt", progress=False)
+    _, first = scan_gallery(photos)
+    make_gallery(photos, classes=2, per_class=3, seed=1)  # new photos in the same gallery
+    report = add_mod.append_photos(embedder, out, photos, progress=False)
+    assert (report.added, report.skipped, report.sidecar.count) == (6, 15, 21)
+    again = add_mod.append_photos(embedder, out, photos, progress=False)
+    assert (again.added, again.skipped, again.sidecar.count) == (0, 21, 21)
 
     ix = load_index(out)
-    root_a, photos_a = scan_gallery(a)
-    root_b, photos_b = scan_gallery(b)
-    expected = np.concatenate([embed_photos(embedder, root_a, photos_a, 8, progress=False),
-                               embed_photos(embedder, root_b, photos_b, 8, progress=False)])
+    root, every = scan_gallery(photos)
+    added = [p for p in every if p not in first]
+    expected = np.concatenate([embed_photos(embedder, root, first, 8, progress=False),
+                               embed_photos(embedder, root, added, 8, progress=False)])
     np.testing.assert_allclose(ix.index.reconstruct_n(0, 21), expected, rtol=1e-6)
-    assert [p.id for p in ix.photos] == [p.id for p in photos_a + photos_b]
-    assert ix.photo_path(ix.photos[-1]) == (root_b / photos_b[-1].path)
+    assert ix.photos == first + added  # paths relative to the root, as a build writes them
     scores, rows = ix.search(expected[15:], k=1)
     assert np.all(rows[:, 0] >= 15)  # appended photos are found
 
@@ -204,12 +217,12 @@ def test_cli_build_and_append(tmp_path, gallery, embedder, monkeypatch, capsys):
     text = capsys.readouterr().out
     assert "15 photos, kind=ivf, dims=4 of L=8" in text
     assert "recall@10 vs exact at d=4" in text and f"python -m service --index {out}" in text
-    more = make_gallery(tmp_path / "more", classes=1, per_class=2, seed=3)
-    assert build_mod.main(["--checkpoint", "ck.pt", "--photos", str(more), "--out", str(out),
+    make_gallery(gallery, classes=1, per_class=2, seed=3)
+    assert build_mod.main(["--checkpoint", "ck.pt", "--photos", str(gallery), "--out", str(out),
                            "--append", "--no-progress"]) == 0
     assert "added 2 photos" in capsys.readouterr().out
-    more2 = make_gallery(tmp_path / "more2", classes=1, per_class=1, seed=4)
-    assert add_mod.main(["--index", str(out), "--photos", str(more2), "--no-progress"]) == 0
+    make_gallery(gallery, classes=1, per_class=1, seed=4)
+    assert add_mod.main(["--index", str(out), "--photos", str(gallery), "--no-progress"]) == 0
     assert load_index(out).sidecar.count == 18
     with pytest.raises(SystemExit):
         build_mod.main(["--checkpoint", "x", "--photos", "y", "--out", "z", "--bogus", "1"])
@@ -233,3 +246,145 @@ def test_refuses_to_replace_a_folder_that_is_not_an_index(tmp_path, gallery, emb
     empty = tmp_path / "empty"
     empty.mkdir()
     assert build_index(embedder, gallery, empty, "ckpt.pt", progress=False).sidecar.count == 15
+
+
+def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path, gallery, embedder):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+    make_gallery(gallery, classes=1, per_class=2, seed=7)
+    with IndexWriter(out):  # another process, as far as flock is concerned
+        with pytest.raises(IndexLockedError, match=rf"being written by another process \(pid "
+                                                   rf"{os.getpid()} holds '.*\.lock'\)"):
+            add_mod.append_photos(embedder, out, gallery, progress=False)
+        with pytest.raises(IndexLockedError):
+            build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+        assert load_index(out).sidecar.count == 15  # readers take no lock
+    assert add_mod.append_photos(embedder, out, gallery, progress=False).added == 2
+
+
+def test_versions_swap_through_the_pointer_and_old_ones_are_removed(tmp_path, gallery, embedder):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", dims=8, progress=False)
+    first = current_version(out)
+    assert (out / POINTER_FILE).read_text() == first.name + "\n"
+    build_index(embedder, gallery, out, "ckpt.pt", dims=6, progress=False)
+    second = current_version(out)
+    assert second != first and first.is_dir()  # kept for readers that followed the old pointer
+    (out / ".tmp-0123456789abcdef0123456789abcdef").mkdir()  # left by a killed writer
+    build_index(embedder, gallery, out, "ckpt.pt", dims=4, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [".lock", POINTER_FILE, second.name, current_version(out).name])
+    assert load_index(out).dims == 4
+
+
+def test_a_reader_whose_version_is_removed_meanwhile_follows_the_new_pointer(
+        tmp_path, gallery, embedder, monkeypatch):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", dims=8, progress=False)
+    load_version = store_mod._load_version
+    calls = []
+
+    def two_writes_first(folder, version, *args):
+        if not calls:  # between reading CURRENT and opening the files, two writers run
+            for dims in (6, 4):
+                build_index(embedder, gallery, out, "ckpt.pt", dims=dims, progress=False)
+            assert not version.exists()
+        calls.append(version)
+        return load_version(folder, version, *args)
+
+    monkeypatch.setattr(store_mod, "_load_version", two_writes_first)
+    assert load_index(out).dims == 4 and len(calls) == 2
+
+
+def test_index_folder_of_earlier_code_is_read_and_converted_by_the_next_write(
+        tmp_path, gallery, embedder):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", dims=8, progress=False)
+    version = current_version(out)
+    for name in (INDEX_FILE, META_FILE, SIDECAR_FILE):  # the flat layout: files in the folder
+        (version / name).rename(out / name)
+    for p in (version, out / POINTER_FILE, out / ".lock"):
+        p.rmdir() if p.is_dir() else p.unlink()
+    assert current_version(out) == out and load_index(out).sidecar.count == 15
+    make_gallery(gallery, classes=1, per_class=2, seed=7)
+    assert add_mod.append_photos(embedder, out, gallery, progress=False).added == 2
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [".lock", POINTER_FILE, current_version(out).name]
+    assert load_index(out).sidecar.count == 17
+
+
+def test_missing_index_names_the_leftover_of_an_interrupted_earlier_rebuild(tmp_path):
+    (tmp_path / ".ix.old-1a2b3c4d").mkdir()
+    with pytest.raises(IndexNotFoundError, match=r"left '.*\.ix\.old-1a2b3c4d': rename it"):
+        load_index(tmp_path / "ix")
+
+
+def test_pointer_to_a_missing_or_odd_version_is_refused(tmp_path, gallery, embedder):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+    (out / POINTER_FILE).write_text("../../etc\n")
+    with pytest.raises(IndexCorruptError, match="not a version name"):
+        load_index(out)
+    (out / POINTER_FILE).write_text("v-20240101T000000Z-0123456789ab\n")
+    with pytest.raises(IndexCorruptError, match="which is missing"):
+        load_index(out)
+
+
+def test_build_refuses_a_photo_that_links_outside_the_gallery(tmp_path, gallery, embedder):
+    secret = tmp_path / "secret.jpg"
+    Image.new("RGB", (8, 8)).save(secret)
+    (gallery / "class0" / "leak.jpg").symlink_to(secret)
+    with pytest.raises(DataError, match=r"photo '.*/class0/leak\.jpg' is a link to '.*secret\.jpg"
+                                        r"', outside the photo folder '.*photos'"):
+        build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt", progress=False)
+    (gallery / "class0" / "leak.jpg").unlink()
+    (gallery / "class3").symlink_to(make_gallery(tmp_path / "elsewhere", classes=1) / "class0")
+    with pytest.raises(DataError, match="class3/c0_0_000.jpg' is a link to"):
+        build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt", progress=False)
+    (gallery / "class3").unlink()
+    (gallery / "class0" / "again.jpg").symlink_to(gallery / "class1" / "c1_0_000.jpg")
+    assert build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt",  # inside: fine
+                       progress=False).sidecar.count == 16
+
+
+def test_append_refuses_photos_outside_the_index_photo_root(tmp_path, gallery, embedder):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+    other = make_gallery(tmp_path / "other", classes=1, per_class=2, seed=3)
+    with pytest.raises(DataError, match=rf"photo '{other}/class0/c0_3_000.jpg' is outside the "
+                                        rf"index's photo root '{gallery.resolve()}'"):
+        add_mod.append_photos(embedder, out, other, progress=False)
+    assert load_index(out).sidecar.count == 15
+    make_gallery(gallery / "class0", classes=1, per_class=2, seed=3)  # below the root: fine
+    report = add_mod.append_photos(embedder, out, gallery / "class0", progress=False)
+    assert report.added == 2
+    assert load_index(out).photos[-1].path == "class0/class0/c0_3_001.jpg"
+
+
+@pytest.mark.parametrize("path", ["../secret.jpg", "class0/../../secret.jpg", "/etc/passwd"])
+def test_meta_paths_that_leave_the_photo_root_are_refused(tmp_path, gallery, embedder, path):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+    meta = current_version(out) / META_FILE
+    rows = [json.loads(line) for line in meta.read_text().splitlines()]
+    rows[3]["path"] = path
+    meta.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(IndexCorruptError, match=rf"line 4: photo path '{path}' leaves the photo"):
+        load_index(out)
+
+
+def test_index_files_and_folders_are_readable_by_a_service_of_another_user(tmp_path, gallery,
+                                                                          embedder):
+    old = os.umask(0o022)
+    try:
+        build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt", progress=False)
+    finally:
+        os.umask(old)
+    out = tmp_path / "ix"
+    version = current_version(out)
+    modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode)
+             for p in [out, version, *out.iterdir(), *version.iterdir()]}
+    assert modes == {
+        "ix": 0o755, f"ix/{version.name}": 0o755, "ix/.lock": 0o644, "ix/CURRENT": 0o644,
+        **{f"ix/{version.name}/{n}": 0o644 for n in (INDEX_FILE, META_FILE, SIDECAR_FILE)},
+    }

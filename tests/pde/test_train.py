@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import training.pde.train as train_module
+from tests.fakes import crafted_checkpoint
 from training.pde.checkpoint import load_checkpoint
 from training.pde.config import preset
 from training.pde.problems import make_problem
@@ -59,3 +60,13 @@ def test_trains_on_cuda_when_present(tmp_path):
     model, info = train(_config(tmp_path, iterations=2, method="neuralsvd-seq"), progress=False)
     assert info["device"].startswith("cuda")
     assert next(model.parameters()).device.type == "cpu"  # returned for evaluation
+
+
+def test_crafted_checkpoint_is_refused_without_running_code(tmp_path):
+    marker = tmp_path / "ran"
+    bad = crafted_checkpoint(tmp_path / "checkpoint.pt", marker)
+    with pytest.raises(ValueError, match="checkpoint.pt' is not a training.pde checkpoint"):
+        load_checkpoint(bad)
+    with pytest.raises(ValueError, match="is not a training.pde checkpoint"):
+        train(_config(tmp_path, resume=True), progress=False)
+    assert not marker.exists()

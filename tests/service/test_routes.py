@@ -4,6 +4,7 @@ import io
 import logging
 import struct
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -118,7 +119,7 @@ def test_photo_is_served(client, engine):
     hit = post(client, sketch_png(), k=1).json()["results"][0]
     r = client.get(hit["url"])
     assert r.status_code == 200 and r.headers["content-type"] == "image/jpeg"
-    assert r.content == engine.photo_file(hit["id"]).read_bytes()
+    assert r.content == engine.read_photo(hit["id"])[0]
     assert Image.open(io.BytesIO(r.content)).size == (32, 32)
 
 
@@ -278,6 +279,91 @@ def test_photos_dir_override(tmp_path, fake_index, settings):
     with client:
         r = client.get("/photos/c0_0_000")
         assert r.status_code == 404 and "is indexed but" in r.json()["detail"]
+        assert str(tmp_path) not in r.text and "c0_0_000.jpg" not in r.text  # no server path
         shutil.copytree(gallery.sidecar.photos_root, moved)
         r = client.get("/photos/c0_0_000")
         assert r.status_code == 200 and r.content == (moved / "class0/c0_0_000.jpg").read_bytes()
+
+
+@pytest.fixture
+def own_gallery(tmp_path, settings):
+    """A gallery and index of this test only (tests below change the gallery), its client,
+    and a secret file beside the gallery that must never be served."""
+    from index.build import build_index
+    from index.store import load_index
+    from service.engine import RetrievalEngine
+    from tests.fakes import FakeEmbedder, make_gallery
+
+    photos = make_gallery(tmp_path / "photos", classes=2, per_class=2)
+    secret = tmp_path / "secret.jpg"
+    Image.new("RGB", (16, 16), "red").save(secret)
+    embedder = FakeEmbedder(L=8)
+    build_index(embedder, photos, tmp_path / "index", "ckpt.pt", progress=False)
+    engine = RetrievalEngine(embedder, load_index(tmp_path / "index"), settings.max_pixels)
+    with TestClient(create_app(settings, loader=lambda s: engine)) as client:
+        yield client, photos, secret
+
+
+def test_photo_replaced_by_a_link_to_outside_after_the_build_is_not_served(own_gallery,
+                                                                           tmp_path):
+    client, photos, secret = own_gallery
+    photo = photos / "class0" / "c0_0_000.jpg"
+    assert client.get("/photos/c0_0_000").status_code == 200
+    photo.unlink()
+    photo.symlink_to(secret)
+    r = client.get("/photos/c0_0_000")
+    assert r.status_code == 404 and secret.read_bytes() not in r.content
+    assert r.json()["detail"] == ("photo 'c0_0_000' is indexed but its file is not below the "
+                                  "photo folder")
+    # A whole class folder swapped for a link to a folder outside holding the same names.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (photos / "class1").rename(outside / "class1")
+    (photos / "class1").symlink_to(outside / "class1")
+    r = client.get("/photos/c1_0_000")
+    assert r.status_code == 404 and str(tmp_path) not in r.text
+
+
+def test_link_inside_the_gallery_is_served(own_gallery):
+    client, photos, _ = own_gallery
+    photo = photos / "class0" / "c0_0_000.jpg"
+    data = photo.read_bytes()
+    photo.rename(photos / "class0" / ".moved.jpg")
+    photo.symlink_to(photos / "class0" / ".moved.jpg")
+    r = client.get("/photos/c0_0_000")
+    assert r.status_code == 200 and r.content == data
+
+
+def test_missing_photo_is_404_without_server_paths(own_gallery, tmp_path):
+    client, photos, _ = own_gallery
+    (photos / "class0" / "c0_0_001.jpg").unlink()
+    r = client.get("/photos/c0_0_001")
+    assert r.status_code == 404
+    assert r.json()["detail"] == ("photo 'c0_0_001' is indexed but its file is missing or "
+                                  "unreadable")
+    assert str(tmp_path) not in r.text and "/" not in r.json()["detail"]
+
+
+def test_file_is_opened_without_following_a_link_swapped_in_after_the_check(tmp_path):
+    """read_below walks real folders only: a link placed between the resolve-and-check and
+    the open (a race) is refused, as a file, a folder or a FIFO."""
+    import os
+
+    from service.engine import read_below
+
+    root = tmp_path / "root"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "b.jpg").write_bytes(b"photo")
+    (tmp_path / "secret").write_bytes(b"secret")
+    assert read_below(root, Path("a/b.jpg")) == b"photo"
+    (root / "a" / "b.jpg").unlink()
+    (root / "a" / "b.jpg").symlink_to(tmp_path / "secret")
+    with pytest.raises(OSError):
+        read_below(root, Path("a/b.jpg"))
+    (root / "a").rename(root / "real")
+    (root / "a").symlink_to(root / "real")
+    with pytest.raises(OSError):
+        read_below(root, Path("a/b.jpg"))
+    os.mkfifo(root / "real" / "pipe.jpg")
+    with pytest.raises(OSError, match="not a regular file"):
+        read_below(root, Path("real/pipe.jpg"))

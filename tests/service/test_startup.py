@@ -7,7 +7,7 @@ import shutil
 import pytest
 from fastapi.testclient import TestClient
 
-from index.store import SIDECAR_FILE, IndexMismatchError, read_sidecar
+from index.store import SIDECAR_FILE, IndexMismatchError, current_version, read_sidecar
 from service.engine import find_checkpoint
 from service.main import create_app
 from service.settings import Settings
@@ -21,7 +21,8 @@ def test_checkpoint_from_setting_then_sidecar_then_next_to_index(tmp_path, real_
     moved = tmp_path / "run" / "index"
     shutil.copytree(real_index, moved)
     side = dataclasses.asdict(read_sidecar(moved))
-    (moved / SIDECAR_FILE).write_text(json.dumps({**side, "checkpoint": "/gone/checkpoint.pt"}))
+    (current_version(moved) / SIDECAR_FILE).write_text(
+        json.dumps({**side, "checkpoint": "/gone/checkpoint.pt"}))
     with pytest.raises(FileNotFoundError, match="tried '/gone/checkpoint.pt'"):
         find_checkpoint(Settings(index=moved))
     shutil.copy(real_checkpoint, moved.parent / "checkpoint.pt")
@@ -45,3 +46,22 @@ def test_startup_loads_the_real_engine(real_index, small_sketches):
                         files={"file": ("q.png", small_sketches[0], "image/png")})
         assert r.status_code == 200 and len(r.json()["results"]) == 15
         assert client.get("/info").json()["model"] == "checkpoint.pt"
+
+
+def test_startup_with_an_incomplete_checkpoint_says_which_keys_are_missing(tmp_path, real_index,
+                                                                           real_checkpoint,
+                                                                           caplog):
+    import torch
+
+    from training.cdk.checkpoint import load_checkpoint
+
+    obj = load_checkpoint(real_checkpoint)
+    del obj["head_arch"]
+    torch.save(obj, tmp_path / "cut.pt")
+    app = create_app(Settings(index=real_index, checkpoint=tmp_path / "cut.pt"))
+    with pytest.raises(ValueError, match="cut.pt' is an incomplete CDK checkpoint: it lacks "
+                                         "head_arch"):
+        with TestClient(app):
+            pass
+    logged = [r.getMessage() for r in caplog.records if "cannot start" in r.getMessage()]
+    assert logged and "cut.pt' is an incomplete CDK checkpoint: it lacks head_arch" in logged[0]

@@ -14,6 +14,8 @@ Layout (a dict saved with torch.save)::
 
 from __future__ import annotations
 
+import hashlib
+import io
 from pathlib import Path
 
 import torch
@@ -25,7 +27,8 @@ from .backbones import Backbone, build_backbone
 from .config import make_config, to_dict
 from .model import MODALITIES, Head
 
-__all__ = ["FORMAT", "VERSION", "save_checkpoint", "load_checkpoint", "init_checkpoint"]
+__all__ = ["FORMAT", "VERSION", "save_checkpoint", "read_checkpoint", "load_checkpoint",
+           "init_checkpoint"]
 
 FORMAT = "sketchsvd-cdk"
 VERSION = 1
@@ -86,13 +89,32 @@ def save_checkpoint(
     return atomic_save(obj, path)
 
 
-def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
-    """Load and validate a CDK checkpoint dict; ValueError names a file that is not one."""
+# What the embedder reads, as {key: nested keys}; train_state, history, epoch are optional.
+REQUIRED = {
+    "config": (),
+    "backbone": ("name", "image_size", "mean", "std"),
+    "backbones": MODALITIES,
+    "heads": MODALITIES,
+    "head_arch": ("in_dim", "hidden", "L", "mu"),
+    "singular_values": (),
+    "trained": (),
+}
+
+
+def read_checkpoint(path: str | Path, map_location="cpu") -> tuple[dict, str]:
+    """(checkpoint dict, sha256 of its bytes), validated; ValueError names a file that is not
+    a complete CDK checkpoint.
+
+    The file is read once and both loaded and hashed from those bytes, so the hash names
+    exactly what was loaded even if the file is replaced meanwhile. Only tensors and plain
+    values are unpickled (weights_only=True): a crafted file cannot run code.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    data = path.read_bytes()
     try:
-        obj = torch.load(path, map_location=map_location, weights_only=True)
+        obj = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except Exception as e:  # noqa: BLE001 - re-raised with the file named
         raise ValueError(f"{str(path)!r} is not a sketchsvd CDK checkpoint: {e}") from e
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
@@ -100,7 +122,18 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
     if obj.get("version") != VERSION:
         raise ValueError(f"{str(path)!r} has checkpoint version {obj.get('version')!r}, "
                          f"this code reads version {VERSION}")
-    return obj
+    missing = [k for k in REQUIRED if k not in obj]
+    missing += [f"{k}.{sub}" for k, subs in REQUIRED.items() if k in obj for sub in subs
+                if not isinstance(obj[k], dict) or sub not in obj[k]]
+    if missing:
+        raise ValueError(f"{str(path)!r} is an incomplete CDK checkpoint: it lacks "
+                         f"{', '.join(missing)}; train or export it again")
+    return obj, hashlib.sha256(data).hexdigest()
+
+
+def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
+    """Load and validate a CDK checkpoint dict; ValueError names a file that is not one."""
+    return read_checkpoint(path, map_location)[0]
 
 
 def init_checkpoint(

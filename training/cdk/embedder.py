@@ -15,14 +15,20 @@ import torch
 from PIL import Image
 
 from training.device import pick_device
-from training.files import file_sha256
 from training.images import images_to_tensor
 
 from .backbones import Backbone, bare_backbone
-from .checkpoint import load_checkpoint
+from .checkpoint import read_checkpoint
 from .model import MODALITIES, Head
 
 __all__ = ["Embedder"]
+
+
+def _load_weights(module: torch.nn.Module, state: dict, what: str) -> None:
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as err:  # missing/unexpected keys or shapes: name the file
+        raise ValueError(f"{what} weights do not fit its architecture: {err}") from err
 
 
 def _check_modality(modality: str) -> None:
@@ -37,7 +43,7 @@ class Embedder:
     device, image_size, trained.
     """
 
-    def __init__(self, ckpt: dict, sha256: str, device=None):
+    def __init__(self, ckpt: dict, sha256: str, device=None, source: str = "checkpoint"):
         self.device = pick_device(device)
         meta = ckpt["backbone"]
         self.backbone: str = meta["name"]
@@ -57,22 +63,23 @@ class Embedder:
                 self._backbones[mod] = self._backbones["sketch"]
                 continue
             bb = bare_backbone(self.backbone)
-            bb.module.load_state_dict(ckpt["backbones"][mod], strict=True)
+            _load_weights(bb.module, ckpt["backbones"][mod], f"{source!r} {mod} backbone")
             self._backbones[mod] = bb
         self._heads: dict[str, Head] = {}
         for mod in MODALITIES:
             head = Head(int(arch["in_dim"]), int(arch["hidden"]), self.L, float(arch["mu"]))
-            head.load_state_dict(ckpt["heads"][mod], strict=True)
+            _load_weights(head, ckpt["heads"][mod], f"{source!r} {mod} head")
             self._heads[mod] = head.to(self.device).eval()
         for bb in {id(b): b for b in self._backbones.values()}.values():
             bb.module.to(self.device).eval()
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, device=None) -> Embedder:
-        """Rebuild backbones and heads from ``path``; ValueError if it is not a CDK checkpoint."""
+        """Rebuild backbones and heads from ``path``; ValueError if it is not a CDK checkpoint.
+        The hash is of the bytes loaded (one read), not of a second read of the file."""
         path = Path(path)
-        ckpt = load_checkpoint(path)
-        return cls(ckpt, file_sha256(path), device)
+        ckpt, sha256 = read_checkpoint(path)
+        return cls(ckpt, sha256, device, source=str(path))
 
     def preprocess(self, images: list[Image.Image], modality: str) -> torch.Tensor:
         """PIL images (any mode; transparent sketch pixels -> white) -> (N, 3, H, W) on device."""

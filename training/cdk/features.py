@@ -38,6 +38,29 @@ def cache_key(files, backbone: Backbone, module: torch.nn.Module, image_size: in
     return h.hexdigest()
 
 
+def _read_cache(path: Path, key: str, n: int) -> torch.Tensor | None:
+    """The (n, D) features cached at ``path``, or None, with a warning saying why, when the
+    file is unreadable (truncated, empty, not a cache), stale, misshapen or not finite: a
+    cache is only ever a shortcut, so a bad one is recomputed, never trusted or fatal."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is a cache miss
+        log.warning("recomputing: feature cache %s is unreadable (%s)", path, err)
+        return None
+    feats = obj.get("features") if isinstance(obj, dict) else None
+    if not isinstance(obj, dict) or obj.get("key") != key:
+        log.warning("recomputing: feature cache %s is stale (another key)", path)
+    elif not (isinstance(feats, torch.Tensor) and feats.is_floating_point()
+              and feats.ndim == 2 and feats.shape[0] == n):
+        shape = tuple(feats.shape) if isinstance(feats, torch.Tensor) else type(feats).__name__
+        log.warning("recomputing: feature cache %s holds %s, not (%d, D) floats", path, shape, n)
+    elif not bool(torch.isfinite(feats).all()):
+        log.warning("recomputing: feature cache %s holds NaN or infinite values", path)
+    else:
+        return feats.float()
+    return None
+
+
 @torch.no_grad()
 def _compute(files, backbone, module, image_size, batch_size, device, desc) -> torch.Tensor:
     module = module.to(device).eval()
@@ -72,11 +95,10 @@ def extract_features(
         key = cache_key(files, backbone, module, image_size)
         path = Path(cache_dir) / f"{backbone.name}-{image_size}-{key[:24]}.pt"
         if path.is_file():
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-            if obj.get("key") == key and obj["features"].shape[0] == len(files):
+            cached = _read_cache(path, key, len(files))
+            if cached is not None:
                 log.info("features from cache %s", path)
-                return obj["features"]
-            log.warning("ignoring stale feature cache %s", path)
+                return cached
     feats = _compute(files, backbone, module, image_size, batch_size, device, desc)
     if path is not None:
         atomic_save({"key": key, "features": feats, "files": [str(f) for f in files]}, path)
