@@ -45,3 +45,37 @@ def test_gpu_flat_search_equals_cpu():
     dg, idg = to_gpu(cpu).search(q, 10)
     np.testing.assert_array_equal(ids, idg)
     np.testing.assert_allclose(ds, dg, rtol=1e-4)
+
+
+def test_serialized_index_runs_one_search_at_a_time():
+    import threading
+    import time
+
+    from index.gpu import SerializedIndex
+
+    class Recording:  # stands in for a GPU index: records how many searches overlap
+        ntotal = 7
+
+        def __init__(self):
+            self.inside = self.most = 0
+
+        def search(self, x, k):
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+            time.sleep(0.01)
+            self.inside -= 1
+            return np.zeros((len(x), k), np.float32), np.zeros((len(x), k), np.int64)
+
+    inner = Recording()
+    index = SerializedIndex(inner)
+    threads = [threading.Thread(target=index.search, args=(np.zeros((1, 4), np.float32), 3))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert inner.most == 1 and index.ntotal == 7  # attributes pass through
+    cpu = faiss.IndexFlatIP(4)
+    cpu.add(np.eye(4, dtype=np.float32))
+    np.testing.assert_array_equal(SerializedIndex(cpu).search(np.eye(4, dtype=np.float32), 1)[1],
+                                  [[0], [1], [2], [3]])
