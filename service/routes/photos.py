@@ -7,11 +7,14 @@ from fastapi.responses import FileResponse
 
 from service.deps import EngineDep
 from service.engine import UnknownPhotoError
+from service.schemas import ERRORS
 
 router = APIRouter(tags=["photos"])
 
 
-@router.get("/photos/{photo_id}", name="photo", response_class=FileResponse)
+@router.get("/photos/{photo_id}", name="photo", response_class=FileResponse,
+            responses={200: {"content": {"image/*": {}}, "description": "the photo file"},
+                       **ERRORS(404, 503)})
 def photo(photo_id: str, engine: EngineDep) -> FileResponse:
     try:
         path = engine.photo_file(photo_id)

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import shutil
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
@@ -45,3 +46,18 @@ def test_startup_loads_the_real_engine(real_index, small_sketches):
                         files={"file": ("q.png", small_sketches[0], "image/png")})
         assert r.status_code == 200 and len(r.json()["results"]) == 15
         assert client.get("/info").json()["model"] == "checkpoint.pt"
+
+
+def test_a_gpu_index_is_searched_one_call_at_a_time(real_index, monkeypatch):
+    # No GPU here: pretend one, with an identity "copy to GPU", and check the wrapping.
+    import service.engine
+    from index.gpu import SerializedIndex
+    from service.engine import load_engine
+    from service.settings import Settings
+
+    monkeypatch.setattr(service.engine, "gpu_available", lambda: True)
+    monkeypatch.setattr(service.engine, "to_gpu", lambda index: index)
+    engine = load_engine(Settings(index=real_index))
+    assert isinstance(engine.gallery.index, SerializedIndex)
+    scores, rows = engine.gallery.search(np.zeros((2, 3), np.float32), 4)
+    assert rows.shape == (2, 4)
