@@ -29,6 +29,8 @@ class Settings(BaseSettings):
     device: str | None = Field(default=None, description="None: CUDA when present, else CPU")
     threads: int = Field(default=1, ge=1, description="torch/FAISS threads per inference")
     inference_slots: int = Field(default=2, ge=1, description="concurrent decodes + forwards")
+    embed_batch: int = Field(default=4, ge=1, description="sketches per forward; bounds the "
+                             "activation memory of a batch request (raise it on a GPU)")
     max_pending: int = Field(
         default=32, ge=1, description="retrieval requests admitted at once (running or waiting "
         "for a slot); more are answered 503 with Retry-After before their body is read")
