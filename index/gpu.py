@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import faiss
+import threading
 
-__all__ = ["gpu_available", "to_gpu"]
+import faiss
+import numpy as np
+
+__all__ = ["gpu_available", "to_gpu", "SerializedIndex"]
 
 
 def gpu_available() -> bool:
@@ -23,3 +26,23 @@ def to_gpu(index: faiss.Index) -> faiss.Index:
     if _GPU_RESOURCES is None:
         _GPU_RESOURCES = faiss.StandardGpuResources()
     return faiss.index_cpu_to_gpu(_GPU_RESOURCES, 0, index)
+
+
+class SerializedIndex:
+    """A FAISS index whose searches run one at a time.
+
+    FAISS documents GPU indexes as not thread-safe (CPU indexes are, for search); a server
+    searching from a thread pool wraps a GPU index in this. Other attributes pass through.
+    """
+
+    def __init__(self, index: faiss.Index):
+        self.index = index
+        self._lock = threading.Lock()
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(N, d) queries -> (scores (N, k), ids (N, k)), as ``faiss.Index.search``."""
+        with self._lock:
+            return self.index.search(queries, k)
+
+    def __getattr__(self, name: str):
+        return getattr(self.index, name)

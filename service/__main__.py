@@ -16,6 +16,7 @@ import uvicorn
 
 from index.store import IndexStoreError, read_sidecar
 from service.main import create_app
+from service.server import server_config
 from service.settings import Settings
 from training import cli
 
@@ -51,8 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     print(f"serving on http://{settings.host}:{settings.port}/ (open it in a browser to draw)",
           flush=True)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level=settings.log_level, access_log=False)
+    uvicorn.Server(server_config(create_app(settings), settings)).run()
     return 0
 
 

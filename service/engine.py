@@ -13,11 +13,13 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
+from PIL import Image
 
-from index.gpu import gpu_available, to_gpu
+from index.gpu import SerializedIndex, gpu_available, to_gpu
 from index.store import GalleryIndex, IndexCorruptError, load_index, read_sidecar
 from index.threads import set_threads
 from service.settings import Settings
@@ -64,7 +66,8 @@ class Timings:
 class RetrievalEngine:
     def __init__(self, embedder: Embedder, gallery: GalleryIndex, max_pixels: int,
                  photos_root: Path | None = None, checkpoint: Path | None = None,
-                 inference_slots: int = 2):
+                 inference_slots: int = 2, decode_side: int | None = None,
+                 embed_batch: int = 16):
         if embedder.L != gallery.sidecar.L:
             raise IndexCorruptError(
                 f"checkpoint has L={embedder.L} but the index was built with L={gallery.sidecar.L}"
@@ -74,6 +77,10 @@ class RetrievalEngine:
         self.max_pixels = max_pixels
         self.photos_root = photos_root
         self.checkpoint = checkpoint
+        # Uploads are shrunk while decoding to keep both sides >= decode_side (None: not
+        # shrunk); the model resizes them to its input size anyway.
+        self.decode_side = decode_side
+        self.embed_batch = embed_batch
         self._slots = threading.BoundedSemaphore(inference_slots)
 
     @property
@@ -83,7 +90,17 @@ class RetrievalEngine:
 
     def embed_sketches(self, images: list, dims: int, timings: Timings) -> np.ndarray:
         """Images -> (N, dims) sketch embeddings, timing each stage."""
-        with self._slots, torch.inference_mode():
+        with self._slots:
+            return self._embed(images, dims, timings)
+
+    def _embed(self, images: list, dims: int, timings: Timings) -> np.ndarray:
+        # Forwards of at most embed_batch images: backbone activations grow with the batch
+        # (about 185 MB for 16 sketches at 224 px on CPU), and a slot's memory must not.
+        return np.concatenate([self._embed_chunk(images[i : i + self.embed_batch], dims, timings)
+                               for i in range(0, len(images), self.embed_batch)])
+
+    def _embed_chunk(self, images: list, dims: int, timings: Timings) -> np.ndarray:
+        with torch.inference_mode():
             t0 = time.perf_counter()
             batch = self.embedder.preprocess(images, "sketch")  # (N, 3, H, W)
             t1 = time.perf_counter()
@@ -97,17 +114,28 @@ class RetrievalEngine:
         timings.head += t3 - t2
         return out
 
-    def retrieve(self, uploads: list[tuple[str, bytes]], dims: int, k: int
+    def decode(self, name: str, upload: bytes | BinaryIO) -> Image.Image:
+        """One upload (bytes, or a file read here) -> RGB image, shrunk to `decode_side`."""
+        data = upload if isinstance(upload, bytes) else upload.read()
+        return decode_image(data, name, self.max_pixels, formats=SKETCH_FORMATS,
+                            reduce_to=self.decode_side)
+
+    def retrieve(self, uploads: list[tuple[str, bytes | BinaryIO]], dims: int, k: int
                  ) -> tuple[list[list[Hit]], Timings]:
-        """Top-k photos for each uploaded sketch, scored on the first `dims` modes."""
+        """Top-k photos for each uploaded sketch, scored on the first `dims` modes.
+
+        Uploads are read and decoded one at a time inside an inference slot, so at most
+        `inference_slots` requests hold decoded images (each shrunk) at once.
+        """
         if not 1 <= dims <= self.dims:  # the one check of dims against the index
             raise DimsError(f"dims={dims} is outside [1, {self.dims}]")
         timings = Timings()
-        t0 = time.perf_counter()
-        images = [decode_image(data, name, self.max_pixels, formats=SKETCH_FORMATS)
-                  for name, data in uploads]
-        timings.decode = time.perf_counter() - t0
-        queries = self.embed_sketches(images, dims, timings)
+        with self._slots:
+            t0 = time.perf_counter()
+            images = [self.decode(name, upload) for name, upload in uploads]
+            timings.decode = time.perf_counter() - t0
+            queries = self._embed(images, dims, timings)
+            del images
         t0 = time.perf_counter()
         scores, rows = self.gallery.search(queries, k)  # (N, k') each
         timings.search = time.perf_counter() - t0
@@ -195,10 +223,13 @@ def load_engine(settings: Settings) -> RetrievalEngine:
     embedder = Embedder.from_checkpoint(checkpoint, device=settings.device)
     gallery = load_index(settings.index, checkpoint_sha256=embedder.checkpoint_sha256, mmap=True)
     if gpu_available() and gallery.sidecar.kind in ("flat", "ivf"):
-        gallery.index = to_gpu(gallery.index)  # HNSW has no GPU version in FAISS
+        # HNSW has no GPU version in FAISS; GPU indexes are not thread-safe, and requests
+        # search from several threads: one search at a time.
+        gallery.index = SerializedIndex(to_gpu(gallery.index))
         log.info("index moved to GPU")
     log.info("loaded %s (L=%d, %s) and index %s (%d photos, %d dims, %s)", checkpoint,
              embedder.L, embedder.backbone, settings.index, len(gallery), gallery.dims,
              gallery.sidecar.kind)
     return RetrievalEngine(embedder, gallery, settings.max_pixels, settings.photos_dir,
-                           checkpoint, settings.inference_slots)
+                           checkpoint, settings.inference_slots,
+                           decode_side=2 * embedder.image_size, embed_batch=settings.embed_batch)

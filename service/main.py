@@ -1,4 +1,4 @@
-"""The FastAPI app: settings, lifespan loading, middleware, routers."""
+"""The FastAPI app: settings, lifespan loading, middleware, error shape, routers."""
 
 from __future__ import annotations
 
@@ -7,16 +7,52 @@ import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from anyio import CapacityLimiter
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from service.engine import RetrievalEngine, load_engine
-from service.middleware import AccessLogMiddleware, BodyLimitMiddleware
+from service.middleware import AccessLogMiddleware, AdmissionMiddleware, BodyLimitMiddleware
 from service.routes import photos, retrieve, system, web
-from service.settings import Settings
+from service.settings import SMALL_BODY_BYTES, Settings
 
 log = logging.getLogger(__name__)
+
+RETRIEVAL_PATHS = ("/retrieve", "/retrieve/batch")
+
+
+async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """422 in the one error shape, {"detail": str}; names the field, never echoes its value
+    (which may be the bytes of an upload)."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return JSONResponse({"detail": "; ".join(parts)}, status_code=422)
+
+
+def schema_with_bounds(app: FastAPI, settings: Settings) -> dict:
+    """The OpenAPI schema with the bounds that depend on the settings (k <= max_k) and on
+    the loaded index (dims <= stored dims) written into the query parameters."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    engine = app.state.engine
+    maxima = {"k": settings.max_k, "dims": engine.dims if engine is not None else None}
+    for path in RETRIEVAL_PATHS:
+        for param in schema["paths"][path]["post"]["parameters"]:
+            bound = maxima.get(param["name"])
+            if bound is not None:
+                for option in param["schema"].get("anyOf", [param["schema"]]):
+                    if option.get("type") == "integer":
+                        option["maximum"] = bound
+    if engine is not None:  # dims is final only once the index is loaded
+        app.openapi_schema = schema
+    return schema
 
 
 def create_app(
@@ -40,7 +76,12 @@ def create_app(
     app = FastAPI(title="sketchsvd retrieval", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.engine = None
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    app.state.slots = CapacityLimiter(settings.inference_slots)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.openapi = lambda: schema_with_bounds(app, settings)
+    app.add_middleware(BodyLimitMiddleware, limits=settings.body_limits,
+                       default=SMALL_BODY_BYTES, timeout=settings.body_timeout)
+    app.add_middleware(AdmissionMiddleware, paths=RETRIEVAL_PATHS, limit=settings.max_pending)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
                            allow_methods=["GET", "POST"], allow_headers=["*"])

@@ -31,6 +31,28 @@ class BatchOut(BaseModel):
     queries: list[QueryOut]
 
 
+class ErrorOut(BaseModel):
+    """The body of every 4xx and 5xx answer."""
+
+    detail: str = Field(description="what was wrong, naming the value or file")
+
+
+ERROR_MEANING = {
+    400: "empty, truncated or damaged image",
+    404: "unknown photo id",
+    408: "request body not received in time",
+    413: "body, file, pixel count or batch over its limit",
+    415: "not a PNG/JPEG/WebP image",
+    422: "a parameter or field is missing or out of range",
+    503: "not loaded yet, or busy (see Retry-After)",
+}
+
+
+def ERRORS(*codes: int) -> dict[int | str, dict]:  # noqa: N802 - reads as a constant table
+    """OpenAPI `responses` for the error codes a route can answer, all shaped `ErrorOut`."""
+    return {code: {"model": ErrorOut, "description": ERROR_MEANING[code]} for code in codes}
+
+
 class HealthOut(BaseModel):
     status: str = "ok"
 
@@ -46,6 +68,7 @@ class Limits(BaseModel):
     max_k: int
     default_k: int
     max_batch: int
+    max_pending: int
 
 
 class InfoOut(BaseModel):

@@ -10,6 +10,9 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+MULTIPART_OVERHEAD = 64 * 1024  # boundaries and part headers around the files
+SMALL_BODY_BYTES = 64 * 1024  # any route without files
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SKETCHSVD_", frozen=True, extra="forbid")
@@ -25,7 +28,18 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     device: str | None = Field(default=None, description="None: CUDA when present, else CPU")
     threads: int = Field(default=1, ge=1, description="torch/FAISS threads per inference")
-    inference_slots: int = Field(default=2, ge=1, description="concurrent model forwards")
+    inference_slots: int = Field(default=2, ge=1, description="concurrent decodes + forwards")
+    embed_batch: int = Field(default=4, ge=1, description="sketches per forward; bounds the "
+                             "activation memory of a batch request (raise it on a GPU)")
+    max_pending: int = Field(
+        default=32, ge=1, description="retrieval requests admitted at once (running or waiting "
+        "for a slot); more are answered 503 with Retry-After before their body is read")
+    header_timeout: float = Field(default=10.0, gt=0,
+                                  description="seconds to receive a request's headers")
+    body_timeout: float = Field(default=30.0, gt=0,
+                                description="seconds to receive a request's body")
+    keep_alive_timeout: int = Field(default=5, ge=1,
+                                    description="seconds an idle connection stays open")
 
     max_upload_bytes: int = Field(default=5 * 1024 * 1024, ge=1)
     max_pixels: int = Field(default=4096 * 4096, ge=1, description="width x height of an upload")
@@ -38,4 +52,11 @@ class Settings(BaseSettings):
     @property
     def max_body_bytes(self) -> int:
         """Largest request body: a full batch of maximal files plus multipart overhead."""
-        return self.max_upload_bytes * self.max_batch + 64 * 1024
+        return self.max_upload_bytes * self.max_batch + MULTIPART_OVERHEAD
+
+    @property
+    def body_limits(self) -> dict[str, int]:
+        """Largest body per path: one file for /retrieve, a batch for /retrieve/batch; other
+        paths take at most SMALL_BODY_BYTES."""
+        return {"/retrieve": self.max_upload_bytes + MULTIPART_OVERHEAD,
+                "/retrieve/batch": self.max_body_bytes}

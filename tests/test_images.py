@@ -190,3 +190,50 @@ def test_training_and_index_embed_a_transparent_photo_alike(tmp_path):
     assert not np.allclose(black, trained, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(e.preprocess([load_image(photo)], "photo"),
                                e.preprocess([Image.open(photo)], "photo"))
+
+
+def strokes(size: tuple[int, int], seed: int = 0) -> np.ndarray:
+    """(H, W) uint8: dark random blocks on white, not symmetric under any turn."""
+    rng = np.random.default_rng(seed)
+    w, h = size
+    a = np.full((h, w), 255, np.uint8)
+    for _ in range(12):
+        x, y = rng.integers(0, w - w // 8), rng.integers(0, h - h // 8)
+        a[y : y + h // 8, x : x + w // 16] = 0
+    return a
+
+
+@pytest.mark.parametrize("fmt,mode", [("PNG", "RGBA"), ("PNG", "P"), ("PNG", "I;16"),
+                                      ("PNG", "L"), ("JPEG", "RGB")])
+def test_reduce_to_shrinks_while_decoding_and_keeps_the_picture(fmt, mode):
+    grey = strokes((1200, 900))  # (900, 1200)
+    if mode == "I;16":
+        img = Image.fromarray(grey.astype(np.uint16) * 257)
+    elif mode == "RGBA":  # transparent background, opaque strokes
+        img = Image.fromarray(np.stack([grey] * 3 + [255 - grey], -1), "RGBA")
+    else:
+        img = Image.fromarray(grey).convert(mode)
+    data = encode(img, fmt)
+    full = decode_image(data, "big")
+    assert full.size == (1200, 900)  # the default is unchanged: no shrinking
+    small = decode_image(data, "big", reduce_to=224)
+    # JPEG decodes at 1/4 scale (draft), the others are box-averaged by 900 // 224 = 4.
+    assert small.size == (300, 225) and small.mode == "RGB"
+    reference = np.asarray(full.resize(small.size, Image.BOX), np.float64)
+    assert np.abs(np.asarray(small, np.float64) - reference).mean() < 3
+    assert decode_image(data, "big", reduce_to=500).size == (1200, 900)  # factor 1: untouched
+
+
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_reduce_to_applies_the_exif_orientation(orientation):
+    upright = strokes((400, 200), seed=orientation)
+    turn = {3: Image.Transpose.ROTATE_180, 6: Image.Transpose.ROTATE_90,
+            8: Image.Transpose.ROTATE_270}[orientation]
+    stored = Image.fromarray(upright).transpose(turn)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(stored, "PNG", exif=exif.tobytes())
+    small = decode_image(data, "turned", reduce_to=100)
+    expected = decode_image(encode(Image.fromarray(upright), "PNG"), "upright", reduce_to=100)
+    assert small.size == expected.size == (200, 100)
+    np.testing.assert_array_equal(np.asarray(small), np.asarray(expected))

@@ -8,7 +8,12 @@ Rules, the same for training, the index and the service:
 * 16-bit grey (modes ``I;16*`` and ``I``) is scaled to 8 bits (v * 255 / 65535) rather than
   clipped, which would leave only black and white;
 * transparent pixels (RGBA, LA, PA, palette or colour-key transparency) are composited onto
-  white, the paper of a sketch.
+  white, the paper of a sketch;
+* ``reduce_to`` (off by default; the service sets it) shrinks a large image while it is
+  decoded, by an integer factor that keeps both sides >= ``reduce_to``: JPEG decodes at 1/2,
+  1/4 or 1/8 scale (``Image.draft``), other formats are box-averaged (``Image.reduce``) before
+  any full-size copy is converted, so a 4096x4096 RGBA upload never becomes four full-size
+  RGBA/RGB copies.
 Every error is an ``ImageError`` whose message names the file.
 """
 
@@ -37,6 +42,13 @@ MAX_BYTES = 256 * 1024 * 1024
 
 SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 TRANSPARENT = ("RGBA", "LA", "PA", "RGBa", "La")
+REDUCIBLE = ("L", "LA", "RGB", "RGBA", "I", "CMYK", "YCbCr")  # modes Image.reduce accepts
+# EXIF orientation -> the transpose that makes the image upright (as ImageOps.exif_transpose).
+UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE, 8: Image.Transpose.ROTATE_90,
+}
 
 
 class ImageError(ValueError):
@@ -88,14 +100,16 @@ def decode_image(
     max_pixels: int = MAX_PIXELS,
     max_bytes: int = MAX_BYTES,
     formats: tuple[str, ...] = FORMATS,
+    reduce_to: int | None = None,
 ) -> Image.Image:
-    """Decode image bytes (an upload called ``name``) as upright 8-bit RGB."""
+    """Decode image bytes (an upload called ``name``) as upright 8-bit RGB; with ``reduce_to``
+    the result is shrunk by an integer factor keeping both sides >= ``reduce_to``."""
     check_size(len(data), max_bytes, name)
-    return _decode(io.BytesIO(data), name, len(data), max_pixels, formats)
+    return _decode(io.BytesIO(data), name, len(data), max_pixels, formats, reduce_to)
 
 
 def _decode(fp: BinaryIO, name: str, n_bytes: int, max_pixels: int,
-            formats: tuple[str, ...]) -> Image.Image:
+            formats: tuple[str, ...], reduce_to: int | None = None) -> Image.Image:
     if n_bytes == 0:
         raise EmptyImageError(f"{name!r} is empty (0 bytes)")
     try:
@@ -113,19 +127,40 @@ def _decode(fp: BinaryIO, name: str, n_bytes: int, max_pixels: int,
             raise ImageTooLargeError(f"{name!r} is {width}x{height} = {width * height} pixels; "
                                      f"the limit is {max_pixels}")
         try:
+            if reduce_to is not None:
+                img.draft(None, (reduce_to, reduce_to))  # JPEG only; others ignore it
             img.load()
-            if img.getexif().get(ExifTags.Base.Orientation, 1) != 1:
+            orientation = img.getexif().get(ExifTags.Base.Orientation, 1)
+            if reduce_to is None and orientation != 1:
                 ImageOps.exif_transpose(img, in_place=True)
         except Exception as err:  # noqa: BLE001 - decoders raise anything on damaged data
             raise TruncatedImageError(
                 f"{name!r} is a damaged or truncated {img.format}: {type(err).__name__}: {err}"
             ) from err
-        return to_rgb(img)
+        if reduce_to is None:
+            return to_rgb(img)
+        small = _reduce(img, reduce_to)
+        if orientation in UPRIGHT:  # after shrinking: the transpose copies the small image
+            small = small.transpose(UPRIGHT[orientation])
+        return to_rgb(small)
+
+
+def _reduce(im: Image.Image, min_side: int) -> Image.Image:
+    """Shrink ``im`` by the largest integer factor that keeps both sides >= ``min_side``."""
+    factor = min(im.width // min_side, im.height // min_side)
+    if factor < 2:
+        return im
+    if im.mode not in REDUCIBLE or "transparency" in im.info:
+        # Palette, 1-bit and 16-bit modes cannot be box-averaged, nor can a colour key
+        # (averaged edges would no longer match it): convert first, at full size.
+        im = to_rgb(im)
+    return im.reduce(factor)
 
 
 def _sixteen_to_eight(im: Image.Image) -> Image.Image:
     """16-bit grey -> "L" scaled by 255/65535 ("LA" when a colour key marks transparency)."""
-    v = np.clip(np.asarray(im, dtype=np.int64), 0, 65535)  # (H, W)
+    # int32 holds 65535 * 255 + 32767; int64 would double a full-size temporary.
+    v = np.clip(np.asarray(im, dtype=np.int32), 0, 65535)  # (H, W)
     grey = Image.fromarray(((v * 255 + 32767) // 65535).astype(np.uint8), mode="L")
     key = im.info.get("transparency")
     if isinstance(key, int):
@@ -139,7 +174,8 @@ def to_rgb(im: Image.Image) -> Image.Image:
     if im.mode in SIXTEEN_BIT:
         im = _sixteen_to_eight(im)
     if im.mode in TRANSPARENT or "transparency" in im.info:
-        im = im.convert("RGBA")
+        if im.mode != "RGBA":  # convert() would copy an RGBA image for nothing
+            im = im.convert("RGBA")
         white = Image.new("RGBA", im.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, im).convert("RGB")
     return im.convert("RGB")

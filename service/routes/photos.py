@@ -7,12 +7,14 @@ from fastapi import APIRouter, HTTPException, Response
 
 from service.deps import EngineDep
 from service.engine import UnknownPhotoError
+from service.schemas import ERRORS
 
 router = APIRouter(tags=["photos"])
 
 
 @router.get("/photos/{photo_id}", name="photo", response_class=Response,
-            responses={200: {"content": {"image/jpeg": {}}}})
+            responses={200: {"content": {"image/*": {}}, "description": "the photo file"},
+                       **ERRORS(404, 503)})
 def photo(photo_id: str, engine: EngineDep) -> Response:
     try:
         data, media_type = engine.read_photo(photo_id)

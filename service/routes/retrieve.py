@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, BinaryIO
 
+from anyio import CapacityLimiter, to_thread
 from fastapi import APIRouter, File, HTTPException, Query, Response, UploadFile
-from starlette.concurrency import run_in_threadpool
 
-from service.deps import EngineDep, SettingsDep
+from service.deps import EngineDep, SettingsDep, SlotsDep
 from service.engine import DimsError, Hit, RetrievalEngine
-from service.schemas import BatchOut, HitOut, QueryOut, RetrieveOut
+from service.schemas import ERRORS, BatchOut, HitOut, QueryOut, RetrieveOut
 from service.settings import Settings
 from training.images import (
     EmptyImageError,
@@ -30,7 +30,8 @@ STATUS = {
 }
 
 # Static bounds here; the upper ones depend on the index (dims, checked by the engine) and
-# on the settings (k <= max_k, checked in resolve_params).
+# on the settings (k <= max_k, checked in resolve_params); main.openapi writes both into the
+# schema.
 DimsParam = Annotated[int | None, Query(ge=1, description="modes used for scoring, 1..stored "
                                                           "dims (default: all stored)")]
 KParam = Annotated[int | None, Query(ge=1, description="number of photos returned, 1..max_k")]
@@ -52,50 +53,60 @@ def resolve_params(engine: RetrievalEngine, settings: Settings, dims: int | None
     return dims, k
 
 
-async def read_upload(file: UploadFile, limit: int) -> tuple[str, bytes]:
+RETRIEVE_ERRORS = ERRORS(400, 408, 413, 415, 422, 503)
+
+
+def upload_of(file: UploadFile, limit: int) -> tuple[str, BinaryIO]:
+    """(name, file) of an upload within `limit` bytes; the bytes are read later, in a slot."""
     name = file.filename or "file"
-    data = await file.read(limit + 1)
     try:
-        check_size(len(data), limit, name)
+        check_size(file.size if file.size is not None else 0, limit, name)
     except ImageTooLargeError as err:
         raise http_error(err) from err
-    return name, data
+    return name, file.file
 
 
 def hits_out(hits: list[Hit]) -> list[HitOut]:
     return [HitOut(id=h.id, class_=h.cls, score=h.score, url=f"/photos/{h.id}") for h in hits]
 
 
-async def run_retrieval(engine: RetrievalEngine, uploads, dims: int, k: int, response: Response):
+async def run_retrieval(engine: RetrievalEngine, slots: CapacityLimiter, uploads, dims: int,
+                        k: int, response: Response):
     try:
-        hits, timings = await run_in_threadpool(engine.retrieve, uploads, dims, k)
+        # Waiting for a slot happens here, on the event loop, not in a pool thread.
+        hits, timings = await to_thread.run_sync(engine.retrieve, uploads, dims, k,
+                                                 limiter=slots)
     except (ImageError, DimsError) as err:
         raise http_error(err) from err
     response.headers["Server-Timing"] = timings.header()
     return hits
 
 
-@router.post("/retrieve", response_model=RetrieveOut, response_model_by_alias=True)
+@router.post("/retrieve", response_model=RetrieveOut, response_model_by_alias=True,
+             responses=RETRIEVE_ERRORS)
 async def retrieve(
     file: Annotated[UploadFile, File(description="the sketch, PNG/JPEG/WebP")],
     engine: EngineDep,
     settings: SettingsDep,
+    slots: SlotsDep,
     response: Response,
     dims: DimsParam = None,
     k: KParam = None,
 ) -> RetrieveOut:
     """Top-k gallery photos for one sketch, sorted by score (descending)."""
     dims, k = resolve_params(engine, settings, dims, k)
-    upload = await read_upload(file, settings.max_upload_bytes)
-    hits = await run_retrieval(engine, [upload], dims, k, response)
+    upload = upload_of(file, settings.max_upload_bytes)
+    hits = await run_retrieval(engine, slots, [upload], dims, k, response)
     return RetrieveOut(dims=dims, k=k, results=hits_out(hits[0]))
 
 
-@router.post("/retrieve/batch", response_model=BatchOut, response_model_by_alias=True)
+@router.post("/retrieve/batch", response_model=BatchOut, response_model_by_alias=True,
+             responses=RETRIEVE_ERRORS)
 async def retrieve_batch(
     files: Annotated[list[UploadFile], File(description="several sketches")],
     engine: EngineDep,
     settings: SettingsDep,
+    slots: SlotsDep,
     response: Response,
     dims: DimsParam = None,
     k: KParam = None,
@@ -105,8 +116,8 @@ async def retrieve_batch(
     if len(files) > settings.max_batch:
         raise HTTPException(413, f"{len(files)} files is over the batch limit of "
                                  f"{settings.max_batch}")
-    uploads = [await read_upload(f, settings.max_upload_bytes) for f in files]
-    hits = await run_retrieval(engine, uploads, dims, k, response)
+    uploads = [upload_of(f, settings.max_upload_bytes) for f in files]
+    hits = await run_retrieval(engine, slots, uploads, dims, k, response)
     return BatchOut(dims=dims, k=k, queries=[
         QueryOut(filename=name, results=hits_out(h)) for (name, _), h in zip(uploads, hits,
                                                                               strict=True)

@@ -5,18 +5,19 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from service.deps import EngineDep, SettingsDep
-from service.schemas import DimsRange, HealthOut, InfoOut, Limits
+from service.schemas import ERRORS, DimsRange, HealthOut, InfoOut, Limits
 
 router = APIRouter(tags=["system"])
 
 
-@router.get("/health", response_model=HealthOut)
-def health(engine: EngineDep) -> HealthOut:
-    """200 once the model and index are loaded (503 before)."""
+@router.get("/health", response_model=HealthOut, responses=ERRORS(503))
+async def health(engine: EngineDep) -> HealthOut:
+    """200 once the model and index are loaded (503 before). Runs on the event loop, never
+    in the thread pool that retrievals fill, so it answers at once under load."""
     return HealthOut(status="ok")
 
 
-@router.get("/info", response_model=InfoOut)
+@router.get("/info", response_model=InfoOut, responses=ERRORS(503))
 def info(engine: EngineDep, settings: SettingsDep) -> InfoOut:
     side = engine.gallery.sidecar
     model = engine.checkpoint.name if engine.checkpoint is not None else side.checkpoint
@@ -32,5 +33,5 @@ def info(engine: EngineDep, settings: SettingsDep) -> InfoOut:
         metric=side.metric,
         limits=Limits(max_upload_bytes=settings.max_upload_bytes, max_pixels=settings.max_pixels,
                       max_k=settings.max_k, default_k=settings.default_k,
-                      max_batch=settings.max_batch),
+                      max_batch=settings.max_batch, max_pending=settings.max_pending),
     )

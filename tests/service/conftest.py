@@ -2,6 +2,7 @@ import io
 import socket
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from index.build import build_index
 from index.store import load_index
 from service.engine import RetrievalEngine
 from service.main import create_app
+from service.server import server_config
 from service.settings import Settings
 from tests.fakes import FakeEmbedder, make_gallery
 
@@ -66,13 +68,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def live_server(real_index, small_gallery):
-    """A real uvicorn server on 127.0.0.1 (thread) serving the real checkpoint and index."""
-    settings = Settings(index=real_index, max_k=20, default_k=6)
-    app = create_app(settings)
+@contextmanager
+def serve(app, settings):
+    """Run `app` under the service's uvicorn config on 127.0.0.1 (a thread); yields its URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(server_config(app, settings, host="127.0.0.1", port=port,
+                                          log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -80,6 +81,54 @@ def live_server(real_index, small_gallery):
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@contextmanager
+def service_process(index, *flags: str, **env: str):
+    """`python -m service --index INDEX FLAGS` in its own process on 127.0.0.1; yields
+    (url, process) once /health answers 200, and stops it after."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.conftest import REPO
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "--index", str(index), "--port", str(port),
+         "--host", "127.0.0.1", "--log-level", "warning", *flags],
+        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"service exited with {proc.returncode}: {proc.stdout.read()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("service did not become healthy in 90 s")
+            time.sleep(0.3)
+        yield url, proc
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def live_server(real_index, small_gallery):
+    """A real uvicorn server on 127.0.0.1 (thread) serving the real checkpoint and index."""
+    settings = Settings(index=real_index, max_k=20, default_k=6)
+    with serve(create_app(settings), settings) as url:
+        yield url

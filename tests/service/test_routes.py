@@ -196,10 +196,8 @@ def test_dims_and_k_above_their_bounds(client, params, message):
 def test_dims_and_k_below_one_are_refused_at_the_edge(client, params):
     (name, value), = params.items()
     r = post(client, sketch_png(), **params)
-    assert r.status_code == 422
-    (error,) = r.json()["detail"]  # FastAPI's validation answer names the parameter
-    assert error["loc"] == ["query", name] and error["input"] == str(value)
-    assert error["type"] == "greater_than_equal"
+    assert r.status_code == 422  # names the parameter and the bound, not the value sent
+    assert r.json() == {"detail": f"query.{name}: Input should be greater than or equal to 1"}
 
 
 def test_non_integer_dims(client):

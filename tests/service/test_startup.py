@@ -4,6 +4,7 @@ import dataclasses
 import json
 import shutil
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
@@ -65,3 +66,18 @@ def test_startup_with_an_incomplete_checkpoint_says_which_keys_are_missing(tmp_p
             pass
     logged = [r.getMessage() for r in caplog.records if "cannot start" in r.getMessage()]
     assert logged and "cut.pt' is an incomplete CDK checkpoint: it lacks head_arch" in logged[0]
+
+
+def test_a_gpu_index_is_searched_one_call_at_a_time(real_index, monkeypatch):
+    # No GPU here: pretend one, with an identity "copy to GPU", and check the wrapping.
+    import service.engine
+    from index.gpu import SerializedIndex
+    from service.engine import load_engine
+    from service.settings import Settings
+
+    monkeypatch.setattr(service.engine, "gpu_available", lambda: True)
+    monkeypatch.setattr(service.engine, "to_gpu", lambda index: index)
+    engine = load_engine(Settings(index=real_index))
+    assert isinstance(engine.gallery.index, SerializedIndex)
+    scores, rows = engine.gallery.search(np.zeros((2, 3), np.float32), 4)
+    assert rows.shape == (2, 4)
