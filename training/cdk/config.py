@@ -24,7 +24,12 @@ PAIRINGS = ("class", "instance")
 # 1/H_L ~ 1/6 instead of 1/L); any positive weights share the same global minimiser.
 NESTING_WEIGHTS = ("uniform", "harmonic")
 # Fields that do not change what is trained: a run may be resumed with other values.
-RUNTIME_FIELDS = ("out", "threads", "cache_dir", "k", "gallery_queries", "gallery_topk")
+RUNTIME_FIELDS = ("out", "threads", "cache_dir", "k", "gallery_queries", "gallery_topk",
+                  "workers")
+# BatchNorm while fine-tuning. frozen: every BN layer stays in eval mode with the pretrained
+# running statistics (its affine weights still train); train: BN layers of the trainable
+# stages use and update batch statistics.
+BN_POLICIES = ("frozen", "train")
 
 
 @dataclass(frozen=True)
@@ -39,9 +44,16 @@ class Config:
     # backbones
     backbone: str = "efficientnet-lite0"
     backbone_weights: str = ""  # local state-dict file; empty: packaged/torchvision weights
-    image_size: int = 224
-    finetune: bool = False  # train the backbones end to end (else cached frozen features)
+    image_size: int = 224  # 0: the backbone's native size (backbones.NATIVE_SIZE)
+    finetune: bool = False  # train the backbones with the heads (else cached frozen features)
     backbone_lr: float = 1e-4  # SGD lr of the backbones when finetuning
+    trainable_stages: int = 0  # finetune: the last K blocks (+ final conv) train; 0: all
+    bn: str = "frozen"  # finetune: BatchNorm policy, one of BN_POLICIES
+    shared_backbone: bool = False  # finetune: one backbone for both modalities
+    augment: bool = False  # finetune: random crops/flips (+ affine sketches, jitter photos)
+    workers: int = 0  # finetune: DataLoader processes decoding images; 0: the main one
+    head_epochs: int = 0  # after the epochs: heads only, on features of the final backbones
+    head_lr: float = 0.05  # SGD lr of the head-only epochs (cosine to 0 over them)
     cache_dir: str = ".cache/cdk-features"
     # model
     method: str = "neuralsvd-jnt"
@@ -88,6 +100,9 @@ PRESETS: dict[str, dict] = {
         "lr": 5e-3,
         "nesting_weights": "uniform",
         "k": 100,
+        "backbone": "vgg16",
+        "finetune": True,
+        "workers": 8,
     },
 }
 DEFAULT_PRESET = "cpu"
@@ -123,15 +138,34 @@ def _check(cfg: Config) -> Config:
 
     if cfg.backbone not in BACKBONES:
         raise ValueError(f"backbone must be one of {sorted(BACKBONES)}, got {cfg.backbone!r}")
+    if cfg.bn not in BN_POLICIES:
+        raise ValueError(f"bn must be one of {BN_POLICIES}, got {cfg.bn!r}")
+    for name in ("trainable_stages", "workers", "head_epochs", "image_size"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)!r}")
+    if cfg.image_size == 0:  # resolved here, so every consumer and checkpoint sees the size
+        from .backbones import NATIVE_SIZE
+
+        cfg = dataclasses.replace(cfg, image_size=NATIVE_SIZE[cfg.backbone])
+    if cfg.finetune and cfg.trainable_stages > max_stages(cfg.backbone):
+        raise ValueError(f"trainable_stages must be <= {max_stages(cfg.backbone)} for "
+                         f"{cfg.backbone}, got {cfg.trainable_stages}")
     for name in ("L", "hidden", "epochs", "batch_size", "image_size", "k"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)!r}")
     if cfg.batch_size < 2:
         raise ValueError(f"batch_size must be >= 2 (the CDK estimator), got {cfg.batch_size}")
-    for name in ("lr", "mu"):
+    for name in ("lr", "mu", "head_lr"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name} must be positive, got {getattr(cfg, name)!r}")
     return cfg
+
+
+def max_stages(backbone: str) -> int:
+    """How many trailing stages of ``backbone`` trainable_stages can name."""
+    from .finetune import STAGES  # local: keep config import light
+
+    return STAGES[backbone]
 
 
 def make_config(preset: str = DEFAULT_PRESET, **overrides) -> Config:
@@ -155,7 +189,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
                     f"(defaults: the {DEFAULT_PRESET} preset).",
         presets=PRESETS,
         default_preset=DEFAULT_PRESET,
-        choices={"method": METHODS, "pairing": PAIRINGS, "nesting_weights": NESTING_WEIGHTS},
+        choices={"method": METHODS, "pairing": PAIRINGS, "nesting_weights": NESTING_WEIGHTS,
+                 "bn": BN_POLICIES},
         required=("data",),
     )
     cfg = cli.parse(parser, make_config, argv)

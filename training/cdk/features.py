@@ -21,7 +21,7 @@ from training.images import images_to_tensor, load_image
 
 from .backbones import Backbone, weights_fingerprint
 
-__all__ = ["extract_features", "cache_key"]
+__all__ = ["extract_features", "cache_key", "read_cache"]
 
 log = logging.getLogger(__name__)
 _VERSION = 2  # bump when preprocessing changes (2: EXIF orientation, 16-bit scaling)
@@ -38,10 +38,11 @@ def cache_key(files, backbone: Backbone, module: torch.nn.Module, image_size: in
     return h.hexdigest()
 
 
-def _read_cache(path: Path, key: str, n: int) -> torch.Tensor | None:
-    """The (n, D) features cached at ``path``, or None, with a warning saying why, when the
-    file is unreadable (truncated, empty, not a cache), stale, misshapen or not finite: a
-    cache is only ever a shortcut, so a bad one is recomputed, never trusted or fatal."""
+def read_cache(path: Path, key: str, n: int, ndim: int = 2) -> torch.Tensor | None:
+    """The (n, ...) features (``ndim`` dimensions) cached at ``path``, or None, with a
+    warning saying why, when the file is unreadable (truncated, empty, not a cache), stale,
+    misshapen or not finite: a cache is only ever a shortcut, so a bad one is recomputed,
+    never trusted or fatal."""
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file is a cache miss
@@ -51,9 +52,10 @@ def _read_cache(path: Path, key: str, n: int) -> torch.Tensor | None:
     if not isinstance(obj, dict) or obj.get("key") != key:
         log.warning("recomputing: feature cache %s is stale (another key)", path)
     elif not (isinstance(feats, torch.Tensor) and feats.is_floating_point()
-              and feats.ndim == 2 and feats.shape[0] == n):
+              and feats.ndim == ndim and feats.shape[0] == n):
         shape = tuple(feats.shape) if isinstance(feats, torch.Tensor) else type(feats).__name__
-        log.warning("recomputing: feature cache %s holds %s, not (%d, D) floats", path, shape, n)
+        log.warning("recomputing: feature cache %s holds %s, not (%d, ...) floats of %d "
+                    "dimensions", path, shape, n, ndim)
     elif not bool(torch.isfinite(feats).all()):
         log.warning("recomputing: feature cache %s holds NaN or infinite values", path)
     else:
@@ -95,7 +97,7 @@ def extract_features(
         key = cache_key(files, backbone, module, image_size)
         path = Path(cache_dir) / f"{backbone.name}-{image_size}-{key[:24]}.pt"
         if path.is_file():
-            cached = _read_cache(path, key, len(files))
+            cached = read_cache(path, key, len(files))
             if cached is not None:
                 log.info("features from cache %s", path)
                 return cached

@@ -29,6 +29,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import NESTING_OF, RUNTIME_FIELDS, Config, nesting_weights, to_dict
 from .data import PairSampler
 from .distributed import barrier, gather_rows, rank_and_world
+from .finetune import Split, StepImages, set_train_mode, step_loader, trunk_cache, validate_images
 from .model import MODALITIES, Head
 
 __all__ = ["TrainData", "TrainResult", "train"]
@@ -60,17 +61,20 @@ class TrainResult:
 
 
 class PairModel(nn.Module):
-    """(sketch inputs, photo inputs) -> (f (B, L), g (B, L)); inputs are backbone features,
-    or images when backbones are given."""
+    """(sketch inputs, photo inputs) -> (f (B, L), g (B, L)). Inputs are backbone features,
+    or, when backbones are given, the input of their trainable stages (images when the
+    whole backbone trains; cached or no-grad trunk activations otherwise)."""
 
-    def __init__(self, heads: dict[str, Head], backbones: dict[str, nn.Module] | None):
+    def __init__(self, heads: dict[str, Head], backbones: dict[str, nn.Module] | None,
+                 splits: dict[str, Split] | None = None):
         super().__init__()
         self.heads = nn.ModuleDict(heads)
         self.backbones = nn.ModuleDict(backbones) if backbones else None
+        self.splits = splits
 
     def encode(self, x: torch.Tensor, modality: str) -> torch.Tensor:
         if self.backbones is not None:
-            x = self.backbones[modality](x)
+            x = self.splits[modality].tail(x)
         return self.heads[modality](x)
 
     def forward(self, xs: torch.Tensor, ys: torch.Tensor):
@@ -81,38 +85,98 @@ def _comparable(cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k not in RUNTIME_FIELDS}
 
 
+class _Inputs:
+    """Where the trainable part's inputs come from when fine-tuning: the trunk cache
+    (frozen trunk, no augmentation), or images decoded by a DataLoader and, for a frozen
+    trunk, run through it without gradients."""
+
+    def __init__(self, cfg: Config, data: TrainData, backbone: Backbone, splits, device):
+        self.cfg, self.splits, self.device = cfg, splits, device
+        self.files = {"sketch": list(data.sketch_files), "photo": list(data.photo_files)}
+        self.images = StepImages(data.sketch_files, data.photo_files, cfg.image_size,
+                                 backbone.mean, backbone.std, cfg.augment, cfg.seed)
+        self.cache = None
+        if cfg.trainable_stages > 0 and not cfg.augment:
+            # the trunks of both modalities hold the same frozen weights: one cache each
+            self.cache = {m: trunk_cache(splits[m], self.files[m], backbone, cfg.image_size,
+                                         device, cfg.cache_dir or None,
+                                         desc=f"trunk cache ({m}s)")
+                          for m in MODALITIES}
+
+    def steps(self, batches, epoch: int):
+        """(sketch inputs, photo inputs) of each (sketch idx, photo idx) batch."""
+        if self.cache is not None:
+            for s, p in batches:
+                yield (self.cache["sketch"][s].to(self.device),
+                       self.cache["photo"][p].to(self.device))
+            return
+        loader = step_loader(self.images, batches, epoch, self.cfg.workers)
+        for (s, _), x in zip(batches, loader, strict=True):
+            x = x.to(self.device)
+            xs, ys = x[: len(s)], x[len(s) :]
+            if self.cfg.trainable_stages > 0:
+                with torch.no_grad(), self._autocast():
+                    xs, ys = self.splits["sketch"].trunk(xs), self.splits["photo"].trunk(ys)
+            yield xs, ys
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, enabled=self.device.type == "cuda")
+
+    @torch.no_grad()
+    def features(self, model: PairModel, modality: str, idx=None) -> torch.Tensor:
+        """(n, D) pooled features of the training images ``idx`` (default all) with the
+        current backbone in eval mode, without augmentation (what evaluation sees)."""
+        files = self.files[modality]
+        idx = list(range(len(files))) if idx is None else list(idx)
+        split, out = self.splits[modality], []
+        for i in range(0, len(idx), 64):
+            chunk = idx[i : i + 64]
+            with self._autocast():
+                if self.cache is not None:
+                    x = self.cache[modality][chunk].to(self.device)
+                else:
+                    ims = [load_image(files[j]) for j in chunk]
+                    x = split.trunk(images_to_tensor(ims, self.cfg.image_size,
+                                                     self.images.mean,
+                                                     self.images.std).to(self.device))
+                out.append(split.tail(x).float())
+        return torch.cat(out)
+
+
+def _train_mode(model: PairModel, cfg: Config) -> None:
+    model.train()
+    if model.backbones is not None:
+        for m in MODALITIES:
+            set_train_mode(model.backbones[m], model.splits[m], cfg.bn)
+
+
 @torch.no_grad()
-def _spectrum(model: PairModel, data: TrainData, cfg: Config, backbone: Backbone, device):
-    """sigma_l = sqrt(E f_l(X)^2 E g_l(Y)^2) on the training set (a seeded subset of at most
-    1024 images per modality when the backbones are trained, to bound the cost)."""
+def _spectrum(model: PairModel, cfg: Config, feats: dict, inputs: _Inputs | None):
+    """sigma_l = sqrt(E f_l(X)^2 E g_l(Y)^2) on the training set: on ``feats`` (N, D) per
+    modality, or, while the backbones train, on a seeded subset of at most 1024 images per
+    modality (to bound the cost). Leaves the model in eval mode."""
     model.eval()
     out = []
-    for mod, feats, files in (("sketch", data.sketch_feats, data.sketch_files),
-                              ("photo", data.photo_feats, data.photo_files)):
-        if model.backbones is None:
-            z = torch.cat([model.encode(feats[i : i + 8192].to(device), mod)
-                           for i in range(0, len(feats), 8192)])
+    for mod in MODALITIES:
+        if inputs is None:
+            x = feats[mod]
         else:
             g = torch.Generator().manual_seed(cfg.seed)
-            idx = torch.randperm(len(files), generator=g)[:1024].tolist()
-            z = torch.cat([model.encode(_images([files[j] for j in idx[i : i + 64]], cfg,
-                                                backbone, device), mod)
-                           for i in range(0, len(idx), 64)])
-        out.append(z.float())
-    model.train()
+            n = len(inputs.files[mod])
+            x = inputs.features(model, mod, torch.randperm(n, generator=g)[:1024].tolist())
+        out.append(torch.cat([model.heads[mod](x[i : i + 8192]).float()
+                              for i in range(0, len(x), 8192)]))
     return singular_values(out[0], out[1]).float().cpu()
-
-
-def _images(files, cfg: Config, backbone: Backbone, device) -> torch.Tensor:
-    ims = [load_image(f) for f in files]
-    return images_to_tensor(ims, cfg.image_size, backbone.mean, backbone.std).to(device)
 
 
 def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
           device=None) -> TrainResult:
     """Train per ``cfg``, checkpointing to out_dir/checkpoint.pt after every epoch and
     resuming from it when it holds an unfinished run of the same config. Runs under DDP
-    when torch.distributed is initialised (launch with torchrun; see ``distributed``)."""
+    when torch.distributed is initialised (launch with torchrun; see ``distributed``).
+
+    Epochs 1..cfg.epochs train the heads (and the backbones when cfg.finetune); then
+    cfg.head_epochs train the heads alone on the features of the final backbones."""
     out = Path(out_dir)
     ckpt_path = out / "checkpoint.pt"
     device = pick_device(device)
@@ -123,30 +187,38 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
     finetune = cfg.finetune
     if finetune and (data.sketch_files is None or data.photo_files is None):
         raise ValueError("finetune=True needs the image files in TrainData")
+    total = cfg.epochs + cfg.head_epochs
 
     torch.manual_seed(cfg.seed)
     heads = {m: Head(backbone.feature_dim, cfg.hidden, cfg.L, cfg.mu) for m in MODALITIES}
     heads["sketch"].set_feature_stats(data.sketch_feats)
     heads["photo"].set_feature_stats(data.photo_feats)
-    bbs = {m: copy.deepcopy(backbone.module) for m in MODALITIES} if finetune else None
-    model = PairModel(heads, bbs).to(device)
-    if bbs is not None:
-        for m in bbs.values():
-            m.eval()  # BN statistics stay those of the pretrained network
+    bbs, splits = None, None
+    if finetune:
+        if cfg.shared_backbone:
+            one = copy.deepcopy(backbone.module)
+            bbs = {m: one for m in MODALITIES}
+        else:
+            bbs = {m: copy.deepcopy(backbone.module) for m in MODALITIES}
+        splits = {m: Split(bbs[m], backbone.name, cfg.trainable_stages) for m in MODALITIES}
+        for s in splits.values():
+            s.freeze()
+    model = PairModel(heads, bbs, splits).to(device)
 
     sampler = PairSampler(data.sketch_labels, data.photo_labels, cfg.pairing, data.photo_of)
     steps = sampler.steps_per_epoch(cfg.batch_size)
     groups = [{"params": list(model.heads.parameters()), "lr": cfg.lr}]
     if bbs is not None:
-        groups.append({"params": list(model.backbones.parameters()), "lr": cfg.backbone_lr})
+        groups.append({"params": [p for p in model.backbones.parameters() if p.requires_grad],
+                       "lr": cfg.backbone_lr})
     opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay)
-    # one scheduler step per optimizer step: the lr reaches 0 at the last step of the run
+    # one scheduler step per optimizer step: the lr reaches 0 at the last step of the phase
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps * cfg.epochs)
     m_vec, m_mat = nesting_masks(cfg.L, NESTING_OF[cfg.method], nesting_weights(cfg),
                                  constant_mode=True)
 
-    start, history, sv = 0, [], None
+    start, history, sv, head_state = 0, [], None, None
     if ckpt_path.is_file():
         ck = load_checkpoint(ckpt_path, map_location="cpu")
         if _comparable(ck["config"]) != _comparable(to_dict(cfg)):
@@ -160,12 +232,22 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
             if bbs is not None:
                 model.backbones[m].load_state_dict(ck["backbones"][m])
         start, history, sv = ck["epoch"], ck["history"], ck["singular_values"]
-        if start < cfg.epochs:
+        if start < total:
             if ck["train_state"] is None:
                 raise ValueError(f"{ckpt_path} has no optimizer state to resume from")
-            opt.load_state_dict(ck["train_state"]["optimizer"])
-            sched.load_state_dict(ck["train_state"]["scheduler"])
-        log.info("resuming from %s at epoch %d/%d", ckpt_path, start, cfg.epochs)
+            if start < cfg.epochs:
+                opt.load_state_dict(ck["train_state"]["optimizer"])
+                sched.load_state_dict(ck["train_state"]["scheduler"])
+            else:
+                head_state = ck["train_state"]
+        log.info("resuming from %s at epoch %d/%d", ckpt_path, start, total)
+
+    inputs = None
+    if finetune and start < cfg.epochs:
+        # every image decodes before the first step: bad data stops the run, naming the file
+        validate_images(data.sketch_files, "checking sketches")
+        validate_images(data.photo_files, "checking photos")
+        inputs = _Inputs(cfg, data, backbone, splits, device)
 
     ddp = model
     if world > 1:
@@ -174,54 +256,94 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
     use_amp = device.type == "cuda"
     amp_dtype = torch.bfloat16 if use_amp and torch.cuda.is_bf16_supported() else torch.float16
     scaler = torch.amp.GradScaler("cuda", enabled=use_amp and amp_dtype == torch.float16)
-    sk_feats, ph_feats = data.sketch_feats.to(device), data.photo_feats.to(device)
+    feats = {"sketch": data.sketch_feats.to(device), "photo": data.photo_feats.to(device)}
     lo, hi = rank * (B // world), (rank + 1) * (B // world)  # this rank's slice of a batch
 
-    for epoch in range(start, cfg.epochs):
+    def step(xs, ys, optimizer, scheduler, module):
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
+            f, g = module(xs, ys)  # (B/W, L) each
+        if world > 1:
+            f, g = gather_rows(f, world, rank), gather_rows(g, world, rank)
+        loss = cdk_loss(f.float(), g.float(), m_vec, m_mat)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss * world).backward()
+        if cfg.grad_clip > 0:
+            scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        return loss.item()
+
+    def batches(epoch):
+        return [(s[lo:hi], p[lo:hi]) for s, p in sampler.epoch(cfg.seed, epoch, cfg.batch_size)]
+
+    head_opt = head_sched = None
+    for epoch in range(start, total):
         t0, losses = time.perf_counter(), []
-        model.train()
-        for s_idx, p_idx in sampler.epoch(cfg.seed, epoch, cfg.batch_size):
-            s_idx, p_idx = s_idx[lo:hi], p_idx[lo:hi]
+        torch.manual_seed(cfg.seed * 1_000_003 + epoch)  # dropout/drop-connect: resumable
+        if epoch < cfg.epochs:
+            optimizer, scheduler = opt, sched
+            _train_mode(model, cfg)
             if finetune:
-                xs = _images([data.sketch_files[i] for i in s_idx], cfg, backbone, device)
-                ys = _images([data.photo_files[i] for i in p_idx], cfg, backbone, device)
+                for xs, ys in inputs.steps(batches(epoch), epoch):
+                    losses.append(step(xs, ys, opt, sched, ddp))
             else:
-                xs, ys = sk_feats[s_idx.to(device)], ph_feats[p_idx.to(device)]
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
-                f, g = ddp(xs, ys)  # (B/W, L) each
-            if world > 1:
-                f, g = gather_rows(f, world, rank), gather_rows(g, world, rank)
-            loss = cdk_loss(f.float(), g.float(), m_vec, m_mat)
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss * world).backward()
-            if cfg.grad_clip > 0:
-                scaler.unscale_(opt)
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            scaler.step(opt)
-            scaler.update()
-            sched.step()
-            losses.append(loss.item())
-        sv = _spectrum(model, data, cfg, backbone, device)
+                for s, p in batches(epoch):
+                    losses.append(step(feats["sketch"][s.to(device)],
+                                       feats["photo"][p.to(device)], opt, sched, ddp))
+            sv = _spectrum(model, cfg, feats, inputs)
+        else:
+            if head_opt is None:  # entering (or resuming) the head-only phase
+                if finetune:
+                    if inputs is None:
+                        inputs = _Inputs(cfg, data, backbone, splits, device)
+                    model.eval()
+                    feats = {m: inputs.features(model, m) for m in MODALITIES}
+                    inputs = None
+                heads_only = PairModel(dict(model.heads), None)
+                head_opt = torch.optim.SGD(model.heads.parameters(), lr=cfg.head_lr,
+                                           momentum=cfg.momentum,
+                                           weight_decay=cfg.weight_decay)
+                head_sched = torch.optim.lr_scheduler.CosineAnnealingLR(
+                    head_opt, T_max=steps * cfg.head_epochs)
+                if head_state is not None:
+                    head_opt.load_state_dict(head_state["optimizer"])
+                    head_sched.load_state_dict(head_state["scheduler"])
+                head_ddp = heads_only
+                if world > 1:
+                    head_ddp = nn.parallel.DistributedDataParallel(heads_only)
+            optimizer, scheduler = head_opt, head_sched
+            model.train()
+            for s, p in batches(epoch):
+                losses.append(step(feats["sketch"][s.to(device)],
+                                   feats["photo"][p.to(device)], head_opt, head_sched,
+                                   head_ddp))
+            sv = _spectrum(model, cfg, feats, None)
         history.append({"epoch": epoch + 1, "loss": float(np.mean(losses)),
-                        "lr": sched.get_last_lr()[0], "seconds": time.perf_counter() - t0,
-                        "sigma_top": sv[: min(4, cfg.L)].tolist()})
-        log.info("epoch %d/%d loss %.4f sigma[:4] %s (%.1fs)", epoch + 1, cfg.epochs,
+                        "lr": scheduler.get_last_lr()[0], "seconds": time.perf_counter() - t0,
+                        "sigma_top": sv[: min(4, cfg.L)].tolist(),
+                        "phase": "all" if epoch < cfg.epochs else "heads"})
+        log.info("epoch %d/%d loss %.4f sigma[:4] %s (%.1fs)", epoch + 1, total,
                  history[-1]["loss"], [round(v, 3) for v in history[-1]["sigma_top"]],
                  history[-1]["seconds"])
         if rank == 0:
-            last = epoch + 1 == cfg.epochs
+            last = epoch + 1 == total
             save_checkpoint(
                 ckpt_path, config=to_dict(cfg), backbone=backbone, image_size=cfg.image_size,
-                backbones=dict(model.backbones) if bbs is not None
+                backbones=dict(model.backbones.items()) if bbs is not None
                 else {"sketch": backbone.module, "photo": backbone.module},
                 heads=dict(model.heads), singular_values=sv, trained=True, epoch=epoch + 1,
                 finetuned=finetune, history=history,
-                train_state=None if last else {"optimizer": opt.state_dict(),
-                                               "scheduler": sched.state_dict()},
+                train_state=None if last else {"optimizer": optimizer.state_dict(),
+                                               "scheduler": scheduler.state_dict()},
             )
         barrier()
     if sv is None:
-        sv = _spectrum(model, data, cfg, backbone, device)
+        if finetune:
+            inputs = inputs or _Inputs(cfg, data, backbone, splits, device)
+            feats = {m: inputs.features(model, m) for m in MODALITIES}
+        sv = _spectrum(model, cfg, feats, None)
     model.eval()
-    return TrainResult(dict(model.heads), dict(model.backbones) if bbs is not None else None,
-                       sv, history)
+    return TrainResult(dict(model.heads), dict(model.backbones.items()) if bbs is not None
+                       else None, sv, history)

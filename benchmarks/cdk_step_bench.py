@@ -1,0 +1,130 @@
+"""Seconds per fine-tuning step and per epoch, side by side in one run, on the training
+classes of a split (never its test classes).
+
+Compares, for efficientnet-lite0 with the last K blocks trainable: the trunk cache (no
+augmentation; each step runs only the trainable stages on cached activations) against
+running the frozen trunk under no_grad at every step (without and with augmentation), at
+two batch sizes, and the DataLoader's worker count on the augmented path. The cache's
+one-off cost is measured on a subset and scaled to the training set; a cache of V
+augmented views per image would cost V times that and then step at the cached speed.
+
+    nice -n 10 python -m benchmarks.cdk_step_bench --data ../shared/data/sketchy-mini
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import time
+
+import torch
+
+from training.cdk.backbones import build_backbone
+from training.cdk.config import NESTING_OF, make_config, nesting_weights
+from training.cdk.data import PairSampler, scan
+from training.cdk.finetune import Split, StepImages
+from training.cdk.model import MODALITIES, Head
+from training.cdk.splits import split_classes
+from training.cdk.train import PairModel, TrainData, _Inputs, _train_mode
+from training.loss import cdk_loss, nesting_masks
+
+
+def _setup(cfg, bb, tr, n_cache, cache=True):
+    """(model, optimizer, masks, inputs, cache seconds per image, data) for cfg; the cache
+    (if any) over the first n_cache images; cache=False: the trunk runs at every step."""
+    torch.manual_seed(0)
+    heads = {m: Head(bb.feature_dim, cfg.hidden, cfg.L, cfg.mu) for m in MODALITIES}
+    bbs = {m: copy.deepcopy(bb.module) for m in MODALITIES}
+    splits = {m: Split(bbs[m], bb.name, cfg.trainable_stages) for m in MODALITIES}
+    for s in splits.values():
+        s.freeze()
+    model = PairModel(heads, bbs, splits)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    masks = nesting_masks(cfg.L, NESTING_OF[cfg.method], nesting_weights(cfg),
+                          constant_mode=True)
+    cached = cache and cfg.trainable_stages > 0 and not cfg.augment
+    n = max(n_cache, cfg.batch_size) if cached else len(tr.sketches)  # a full batch
+    data = TrainData(torch.zeros(1), torch.zeros(1), tr.sketch_labels[:n], tr.photo_labels[:n],
+                     None, list(tr.sketches[:n]), list(tr.photos[:n]))
+    t0 = time.perf_counter()
+    # built as if augmented (no cache), then given the configured images
+    inputs = _Inputs(cfg if cached else dataclasses.replace(cfg, augment=True), data, bb,
+                     splits, torch.device("cpu"))
+    inputs.cfg = cfg
+    inputs.images = StepImages(data.sketch_files, data.photo_files, cfg.image_size, bb.mean,
+                               bb.std, cfg.augment, cfg.seed)
+    build = (time.perf_counter() - t0) / n  # seconds per image (both modalities)
+    return model, opt, masks, inputs, build, data
+
+
+def _time_steps(cfg, model, opt, masks, inputs, data, steps, warmup):
+    sampler = PairSampler(data.sketch_labels, data.photo_labels)
+    batches = []
+    for e in range(100):
+        batches += list(sampler.epoch(0, e, cfg.batch_size))
+        if len(batches) >= steps + warmup:
+            break
+    _train_mode(model, cfg)
+    times, t = [], time.perf_counter()
+    for xs, ys in inputs.steps(batches[: steps + warmup], 0):
+        f, g = model(xs, ys)
+        loss = cdk_loss(f, g, *masks)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        now = time.perf_counter()
+        times.append(now - t)
+        t = now
+    return sum(times[warmup:]) / steps  # warm-up steps (worker start) are left out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--split", default="sketchy2")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per row")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    ap.add_argument("--cache-images", type=int, default=256,
+                    help="images per modality the trunk cache is timed on")
+    ap.add_argument("--batches", default="128,256")
+    ap.add_argument("--stages", default="1,2,3", help="K at the first batch size")
+    ap.add_argument("--stages-other", default="1,2,3", help="K at the other batch sizes")
+    args = ap.parse_args(argv)
+
+    ds = scan(args.data)
+    tr = ds.restrict(split_classes(args.split, list(ds.classes))["train"])
+    n = len(tr.sketches)
+    bb = build_backbone("efficientnet-lite0")
+    print(f"{args.split} training classes: {len(tr.classes)}, {n} sketches, "
+          f"{len(tr.photos)} photos; threads {torch.get_num_threads()}")
+    print(f"{'batch':>5} {'K':>2} {'path':<22} {'workers':>7} {'s/step':>7} "
+          f"{'steps/ep':>8} {'s/epoch':>8} {'cache s (once)':>14}")
+    for i, B in enumerate(int(b) for b in args.batches.split(",")):
+        for K in [int(k) for k in (args.stages if i == 0 else args.stages_other).split(",")]:
+            for path, augment, cached, workers in (("trunk cache", False, True, 0),
+                                                   ("trunk no_grad", False, False, 0),
+                                                   ("trunk no_grad + aug", True, False, 0)):
+                cfg = make_config("cpu", finetune=True, trainable_stages=K, augment=augment,
+                                  batch_size=B, workers=workers)
+                model, opt, masks, inputs, build, data = _setup(cfg, bb, tr, args.cache_images,
+                                                                cached)
+                s = _time_steps(cfg, model, opt, masks, inputs, data, args.steps, args.warmup)
+                spe = max(1, n // B)
+                once = build * n if cached else 0.0
+                print(f"{B:>5} {K:>2} {path:<22} {workers:>7} {s:>7.2f} {spe:>8} "
+                      f"{s * spe:>8.1f} {once:>14.1f}", flush=True)
+    B, K = int(args.batches.split(",")[0]), 2
+    for workers in (1, 2):  # workers 0: the row above
+        cfg = make_config("cpu", finetune=True, trainable_stages=K, augment=True,
+                          batch_size=B, workers=workers)
+        model, opt, masks, inputs, _, data = _setup(cfg, bb, tr, args.cache_images)
+        s = _time_steps(cfg, model, opt, masks, inputs, data, args.steps, args.warmup)
+        spe = max(1, n // B)
+        print(f"{B:>5} {K:>2} {'trunk no_grad + aug':<22} {workers:>7} {s:>7.2f} {spe:>8} "
+              f"{s * spe:>8.1f} {0.0:>14.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

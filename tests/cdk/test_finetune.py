@@ -1,0 +1,280 @@
+"""Fine-tuning path of training.cdk.train: stage splits, BatchNorm policy, frozen trunk and
+its cache, images checked up front, seeded augmentation independent of the worker count,
+head-only phase, resume, the Embedder on fine-tuned checkpoints, and the paper preset."""
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from PIL import Image
+
+from training.cdk import finetune
+from training.cdk import train as train_mod
+from training.cdk.backbones import NATIVE_SIZE, bare_backbone, build_backbone
+from training.cdk.checkpoint import load_checkpoint
+from training.cdk.config import make_config
+from training.cdk.data import scan
+from training.cdk.embedder import Embedder
+from training.cdk.features import extract_features
+from training.cdk.finetune import STAGES, Split, StepImages
+from training.cdk.run import embed_features
+from training.cdk.train import TrainData
+from training.images import ImageError
+
+SIZE = 32
+
+
+def _write_dataset(root, n=4, classes=("apple", "boat")):
+    """Two classes of small generated images: sketches dark strokes on white, photos colour."""
+    rng = np.random.default_rng(0)
+    for c, cls in enumerate(classes):
+        for mod in ("sketch", "photo"):
+            (root / mod / cls).mkdir(parents=True)
+            for i in range(n):
+                if mod == "sketch":
+                    a = np.full((40, 40, 3), 255, np.uint8)
+                    r = rng.integers(5, 30)
+                    a[r : r + 4, 5:35] = 0 if c == 0 else 120
+                    a[5:35, r : r + 4] = 0
+                else:
+                    a = (rng.random((40, 40, 3)) * 80).astype(np.uint8)
+                    a[..., c] += 150
+                Image.fromarray(a).save(root / mod / cls / f"{cls}{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return scan(_write_dataset(tmp_path_factory.mktemp("data")))
+
+
+@pytest.fixture(scope="module")
+def lite0():
+    return build_backbone("efficientnet-lite0")
+
+
+def _data(ds, bb, size=SIZE):
+    feats = [extract_features(f, bb, size, None, device="cpu") for f in (ds.sketches, ds.photos)]
+    return TrainData(feats[0], feats[1], ds.sketch_labels, ds.photo_labels, None,
+                     list(ds.sketches), list(ds.photos))
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(L=4, hidden=16, batch_size=4, epochs=2, lr=0.05, backbone_lr=0.01,
+                image_size=SIZE, finetune=True, out=str(tmp_path),
+                cache_dir=str(tmp_path / "cache"))
+    return make_config("cpu", **{**base, **kw})
+
+
+def _bn_stats(module):
+    return {k: v.clone() for k, v in module.state_dict().items() if "running" in k}
+
+
+@pytest.mark.parametrize("name", ["efficientnet-lite0", "efficientnet-lite1",
+                                  "efficientnet-lite2", "vgg16"])
+def test_split_tail_of_trunk_is_the_backbone(name):
+    torch.manual_seed(0)
+    module = bare_backbone(name).module.eval()  # random weights: the split, not the values
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        ref = module(x)
+        for K in sorted({0, 1, 2, STAGES[name]}):
+            s = Split(module, name, K)
+            torch.testing.assert_close(s.tail(s.trunk(x)), ref)
+    with pytest.raises(ValueError, match="trainable_stages"):
+        Split(module, name, STAGES[name] + 1)
+
+
+def test_native_sizes_resolve_and_bad_values_are_named():
+    assert make_config("cpu", backbone="efficientnet-lite2", image_size=0).image_size == 260
+    assert make_config("cpu", backbone="efficientnet-lite1", image_size=0).image_size == 240
+    assert NATIVE_SIZE["vgg16"] == make_config("cpu", backbone="vgg16",
+                                               image_size=0).image_size == 224
+    with pytest.raises(ValueError, match="bn"):
+        make_config("cpu", bn="batch")
+    with pytest.raises(ValueError, match="trainable_stages"):
+        make_config("cpu", finetune=True, trainable_stages=17)
+    with pytest.raises(ValueError, match="workers"):
+        make_config("cpu", workers=-1)
+
+
+def test_frozen_bn_keeps_pretrained_statistics_and_trunk_stays_fixed(dataset, lite0, tmp_path):
+    before = _bn_stats(lite0.module)
+    params0 = {k: v.clone() for k, v in lite0.module.state_dict().items()}
+    res = train_mod.train(_cfg(tmp_path / "f", trainable_stages=2), _data(dataset, lite0),
+                          lite0, tmp_path / "f")
+    for m in ("sketch", "photo"):
+        after = _bn_stats(res.backbones[m])
+        for k, v in before.items():  # over several epochs and spectrum passes
+            torch.testing.assert_close(after[k], v, rtol=0, atol=0)
+        sd = res.backbones[m].state_dict()
+        assert torch.equal(sd["trunk.net._blocks.0._depthwise_conv.weight"],
+                           params0["trunk.net._blocks.0._depthwise_conv.weight"])
+        assert not torch.equal(sd["trunk.net._conv_head.weight"],
+                               params0["trunk.net._conv_head.weight"])
+    assert res.backbones["sketch"] is not res.backbones["photo"]
+    # under bn=train the trainable stages' statistics move, the trunk's do not
+    res = train_mod.train(_cfg(tmp_path / "t", trainable_stages=2, bn="train", epochs=1),
+                          _data(dataset, lite0), lite0, tmp_path / "t")
+    after = _bn_stats(res.backbones["sketch"])
+    assert not torch.equal(after["trunk.net._bn1.running_mean"],
+                           before["trunk.net._bn1.running_mean"])
+    assert torch.equal(after["trunk.net._bn0.running_mean"], before["trunk.net._bn0.running_mean"])
+
+
+def test_truncated_image_stops_before_any_step(tmp_path, lite0, monkeypatch):
+    root = _write_dataset(tmp_path / "d")
+    ds = scan(root)
+    data = _data(ds, lite0)
+    bad = ds.photos[3]
+    bad.write_bytes(bad.read_bytes()[:60])  # truncated after extract_features read it
+    steps = []
+    real = train_mod.cdk_loss
+    monkeypatch.setattr(train_mod, "cdk_loss", lambda *a: steps.append(1) or real(*a))
+    with pytest.raises(ImageError, match=bad.name):
+        train_mod.train(_cfg(tmp_path / "o"), data, lite0, tmp_path / "o")
+    assert steps == [] and not (tmp_path / "o" / "checkpoint.pt").exists()
+
+
+def test_augmented_views_are_seeded_by_item_not_by_worker(dataset):
+    im = StepImages(dataset.sketches, dataset.photos, SIZE, (0.5,) * 3, (0.5,) * 3, True, 0)
+    a, b = im[(0, 1, 0)], im[(0, 1, 0)]
+    assert a.shape == (3, SIZE, SIZE) and torch.equal(a, b)
+    assert not torch.equal(a, im[(0, 1, 1)])  # another epoch, another view
+    plain = StepImages(dataset.sketches, dataset.photos, SIZE, (0.5,) * 3, (0.5,) * 3,
+                       False, 0)
+    assert not torch.equal(a, plain[(0, 1, 0)])
+
+
+def test_workers_and_chunks_do_not_change_the_result(dataset, lite0, tmp_path, monkeypatch):
+    kw = dict(trainable_stages=1, augment=True, epochs=1)
+    data = _data(dataset, lite0)
+    r0 = train_mod.train(_cfg(tmp_path / "w0", workers=0, **kw), data, lite0, tmp_path / "w0")
+    monkeypatch.setattr(finetune, "CHUNK", 3)  # a step's 8 images arrive in 3 loader items
+    r2 = train_mod.train(_cfg(tmp_path / "w2", workers=2, **kw), data, lite0, tmp_path / "w2")
+    for m in ("sketch", "photo"):
+        for k, v in r0.backbones[m].state_dict().items():
+            torch.testing.assert_close(r2.backbones[m].state_dict()[k], v, rtol=0, atol=0)
+
+
+def test_trunk_cache_equals_trunk_at_every_step(dataset, lite0, tmp_path, monkeypatch):
+    data = _data(dataset, lite0)
+    cached = train_mod.train(_cfg(tmp_path / "c", trainable_stages=3), data, lite0,
+                             tmp_path / "c")
+
+    class NoCache(train_mod._Inputs):
+        def __init__(self, *a):
+            super().__init__(*a)
+            assert self.cache is not None
+            self.cache = None
+
+    monkeypatch.setattr(train_mod, "_Inputs", NoCache)
+    direct = train_mod.train(_cfg(tmp_path / "d", trainable_stages=3), data, lite0,
+                             tmp_path / "d")
+    for m in ("sketch", "photo"):
+        for k, v in cached.heads[m].state_dict().items():
+            torch.testing.assert_close(direct.heads[m].state_dict()[k], v, rtol=1e-4, atol=1e-5)
+
+
+def test_trunk_activations_are_cached_on_disk(dataset, lite0, tmp_path, monkeypatch):
+    split = Split(lite0.module, lite0.name, 2)
+    files = list(dataset.sketches)
+    first = finetune.trunk_cache(split, files, lite0, SIZE, "cpu", tmp_path)
+    assert len(list(tmp_path.glob("*trunk2*.pt"))) == 1
+
+    def no_pass(*a, **kw):
+        raise AssertionError("the trunk ran although its activations were cached")
+
+    monkeypatch.setattr(finetune, "_trunk_outputs", no_pass)
+    again = finetune.trunk_cache(split, files, lite0, SIZE, "cpu", tmp_path)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    # another split of the same backbone is another entry, never the cached one
+    with pytest.raises(AssertionError, match="trunk ran"):
+        finetune.trunk_cache(Split(lite0.module, lite0.name, 1), files, lite0, SIZE, "cpu",
+                             tmp_path)
+    monkeypatch.undo()
+    lite0.module.eval()
+    with torch.no_grad():
+        direct = split.trunk(torch.stack([
+        StepImages(files, files, SIZE, lite0.mean, lite0.std, False, 0)[(0, i, 0)]
+            for i in range(len(files))]))
+    torch.testing.assert_close(first, direct, rtol=1e-4, atol=1e-5)
+
+
+def test_head_phase_trains_heads_only_and_stores_the_final_spectrum(dataset, lite0, tmp_path):
+    data = _data(dataset, lite0)
+    base = train_mod.train(_cfg(tmp_path / "a", trainable_stages=1), data, lite0, tmp_path / "a")
+    res = train_mod.train(_cfg(tmp_path / "b", trainable_stages=1, head_epochs=2, head_lr=0.02),
+                          data, lite0, tmp_path / "b")
+    for m in ("sketch", "photo"):
+        for k, v in base.backbones[m].state_dict().items():
+            torch.testing.assert_close(res.backbones[m].state_dict()[k], v, rtol=0, atol=0)
+    assert not torch.equal(base.heads["sketch"].mlp[0].weight, res.heads["sketch"].mlp[0].weight)
+    ck = load_checkpoint(tmp_path / "b" / "checkpoint.pt")
+    assert ck["epoch"] == 4 and [h["phase"] for h in ck["history"]] == ["all"] * 2 + ["heads"] * 2
+    # the stored spectrum: sigma_l = sqrt(E f_l^2 E g_l^2) over every training image
+    f = embed_features(res.heads["sketch"], extract_features(
+        dataset.sketches, lite0, SIZE, None, module=res.backbones["sketch"]), "cpu")
+    g = embed_features(res.heads["photo"], extract_features(
+        dataset.photos, lite0, SIZE, None, module=res.backbones["photo"]), "cpu")
+    ref = torch.sqrt((f**2).mean(0) * (g**2).mean(0))
+    torch.testing.assert_close(ck["singular_values"], ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cut", [1, 3])  # in the fine-tuning phase, in the head phase
+def test_resume_reproduces_the_uninterrupted_run(dataset, lite0, tmp_path, monkeypatch, cut):
+    kw = dict(trainable_stages=2, augment=True, head_epochs=2)
+    data = _data(dataset, lite0)
+    full = train_mod.train(_cfg(tmp_path / "full", **kw), data, lite0, tmp_path / "full")
+    real_save, calls = train_mod.save_checkpoint, []
+
+    def crash(*a, **k):
+        real_save(*a, **k)
+        calls.append(1)
+        if len(calls) == cut:
+            raise KeyboardInterrupt("simulated interruption")
+
+    monkeypatch.setattr(train_mod, "save_checkpoint", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train_mod.train(_cfg(tmp_path / "cut", **kw), data, lite0, tmp_path / "cut")
+    assert load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["epoch"] == cut
+    res = train_mod.train(_cfg(tmp_path / "cut", **kw), data, lite0, tmp_path / "cut")
+    for m in ("sketch", "photo"):
+        for a, b in ((full.heads[m], res.heads[m]), (full.backbones[m], res.backbones[m])):
+            for k, v in a.state_dict().items():
+                torch.testing.assert_close(b.state_dict()[k], v, rtol=0, atol=0)
+    torch.testing.assert_close(res.singular_values, full.singular_values, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_embedder_embeds_as_evaluation_does(dataset, lite0, tmp_path, shared):
+    res = train_mod.train(_cfg(tmp_path, trainable_stages=1, epochs=1, shared_backbone=shared),
+                          _data(dataset, lite0), lite0, tmp_path)
+    assert (res.backbones["sketch"] is res.backbones["photo"]) == shared
+    e = Embedder.from_checkpoint(tmp_path / "checkpoint.pt", device="cpu")
+    assert e.image_size == SIZE
+    for mod, files in (("sketch", dataset.sketches), ("photo", dataset.photos)):
+        ref = embed_features(res.heads[mod], extract_features(
+            files, lite0, SIZE, None, module=res.backbones[mod]), "cpu")
+        from training.images import load_image
+
+        z = e.embed([load_image(f) for f in files], mod)
+        np.testing.assert_allclose(z, ref.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_paper_preset_runs_the_finetuning_path_end_to_end(tmp_path):
+    torch.manual_seed(0)
+    trunk = torchvision.models.vgg.make_layers(torchvision.models.vgg.cfgs["D"])
+    weights = tmp_path / "vgg16.pth"
+    torch.save({f"features.{k}": v for k, v in trunk.state_dict().items()}, weights)
+    ds = scan(_write_dataset(tmp_path / "d", n=4))
+    cfg = make_config("paper", batch_size=8, epochs=1, image_size=SIZE, L=8, hidden=16,
+                      backbone_weights=str(weights), workers=0, out=str(tmp_path / "o"))
+    assert cfg.finetune and cfg.backbone == "vgg16" and cfg.trainable_stages == 0
+    bb = build_backbone(cfg.backbone, cfg.backbone_weights)
+    train_mod.train(cfg, _data(ds, bb), bb, cfg.out, device="cpu")
+    ck = load_checkpoint(tmp_path / "o" / "checkpoint.pt")
+    assert ck["epoch"] == 1 and ck["backbone"]["finetuned"] and ck["config"]["preset"] == "paper"
+    e = Embedder.from_checkpoint(tmp_path / "o" / "checkpoint.pt", device="cpu")
+    z = e.embed([Image.new("RGB", (40, 40), (200, 10, 10))], "photo")
+    assert z.shape == (1, 8) and np.isfinite(z).all()

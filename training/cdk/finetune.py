@@ -1,0 +1,223 @@
+"""The parts of fine-tuning a backbone that the frozen path does not need: where a backbone
+splits into a frozen trunk and trainable stages, the BatchNorm policy, the images of each
+step (decoded and augmented by a seeded DataLoader), and the trunk-activation cache.
+
+Stages: the blocks of an EfficientNet-Lite (``net._blocks``; the final 1x1 conv and its
+BN train with them) and the five max-pool-delimited conv stages of VGG16.
+``trainable_stages = K`` trains the last K; 0 trains the whole backbone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from training.files import atomic_save
+from training.images import ImageError, images_to_tensor, load_image
+
+from .backbones import Backbone
+from .features import cache_key, read_cache
+
+__all__ = ["STAGES", "Split", "set_train_mode", "validate_images", "StepImages",
+           "step_loader", "trunk_cache"]
+
+log = logging.getLogger(__name__)
+
+STAGES = {"efficientnet-lite0": 16, "efficientnet-lite1": 21, "efficientnet-lite2": 21,
+          "vgg16": 5}
+
+
+class Split:
+    """``module`` (a backbones.PooledFeatures) as tail(trunk(x)) == module(x), with the
+    last ``K`` stages in the tail (K = 0: the trunk is the identity)."""
+
+    def __init__(self, module: nn.Module, name: str, K: int):
+        if name not in STAGES:
+            raise ValueError(f"no stage split for backbone {name!r}")
+        if not 0 <= K <= STAGES[name]:
+            raise ValueError(f"trainable_stages must be in 0..{STAGES[name]} for {name}, got {K}")
+        self.module, self.name, self.K = module, name, K
+        inner = module.trunk
+        if name.startswith("efficientnet"):
+            net = inner.net
+            self._net = net
+            first = len(net._blocks) - K
+            self._first = first
+            self.frozen = ([] if K == 0 else
+                           [net._conv_stem, net._bn0, *list(net._blocks)[:first]])
+        else:  # VGG16: nn.Sequential, a stage ends at each max-pool
+            pools = [i for i, m in enumerate(inner) if isinstance(m, nn.MaxPool2d)]
+            self._start = 0 if K == 0 else pools[len(pools) - K - 1] + 1
+            self.frozen = list(inner)[: self._start]
+
+    def freeze(self) -> None:
+        """The trunk's parameters stop receiving gradients."""
+        for m in self.frozen:
+            m.requires_grad_(False)
+
+    def _lite_blocks(self, x, lo, hi):
+        net = self._net
+        for idx in range(lo, hi):
+            rate = net._global_params.drop_connect_rate
+            if rate:
+                rate *= float(idx) / len(net._blocks)  # as in the network's own forward
+            x = net._blocks[idx](x, drop_connect_rate=rate)
+        return x
+
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, 3, H, W) images -> the input of the trainable stages."""
+        if self.K == 0:
+            return x
+        if self.name.startswith("efficientnet"):
+            net = self._net
+            x = net._swish(net._bn0(net._conv_stem(x)))
+            return self._lite_blocks(x, 0, self._first)
+        return self.module.trunk[: self._start](x)
+
+    def tail(self, x: torch.Tensor) -> torch.Tensor:
+        """The trunk's output -> (N, D) pooled features."""
+        if self.K == 0:
+            return self.module(x)
+        if self.name.startswith("efficientnet"):
+            net = self._net
+            x = self._lite_blocks(x, self._first, len(net._blocks))
+            return net._swish(net._bn1(net._conv_head(x))).mean(dim=(2, 3))
+        return self.module.trunk[self._start :](x).mean(dim=(2, 3))
+
+
+def set_train_mode(module: nn.Module, split: Split, bn: str) -> None:
+    """Training mode for the trainable stages only; BatchNorm layers stay in eval mode
+    (pretrained running statistics) under bn == "frozen"."""
+    module.train()
+    for m in split.frozen:
+        m.eval()
+    if bn == "frozen":
+        for m in module.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
+
+
+def validate_images(files, desc: str = "checking images") -> None:
+    """Decode every file once; ImageError names the first unreadable or truncated one."""
+    for f in tqdm(files, desc=desc, unit="img", leave=False):
+        try:
+            load_image(f)
+        except ImageError as err:
+            raise ImageError(f"training image {str(f)!r} cannot be used: {err}") from err
+
+
+def _item_seed(seed: int, epoch: int, modality: int, index: int) -> int:
+    key = f"{seed}|{epoch}|{modality}|{index}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def _transforms(size: int, mean, std):
+    from torchvision.transforms import v2
+
+    tail = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
+    sketch = v2.Compose([
+        v2.RandomResizedCrop(size, scale=(0.8, 1.0), antialias=True),
+        v2.RandomHorizontalFlip(),
+        v2.RandomAffine(degrees=10, translate=(0.05, 0.05), fill=255),  # white paper
+        *tail])
+    photo = v2.Compose([
+        v2.RandomResizedCrop(size, scale=(0.8, 1.0), antialias=True),
+        v2.RandomHorizontalFlip(),
+        v2.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2, hue=0.02),
+        *tail])
+    return sketch, photo
+
+
+class StepImages(Dataset):
+    """Item (modality 0 sketch / 1 photo, index, epoch) -> (3, size, size) normalised image.
+    Augmented views are seeded by (seed, epoch, modality, index) alone, so they do not
+    depend on the worker count or on where a run was resumed."""
+
+    def __init__(self, sketch_files, photo_files, size: int, mean, std, augment: bool,
+                 seed: int):
+        self.files = (list(sketch_files), list(photo_files))
+        self.size, self.mean, self.std = size, tuple(mean), tuple(std)
+        self.augment, self.seed = augment, seed
+        self._tf = _transforms(size, mean, std) if augment else None
+
+    def __len__(self) -> int:
+        return len(self.files[0]) + len(self.files[1])
+
+    def __getitem__(self, key) -> torch.Tensor:
+        mod, idx, epoch = key
+        im = load_image(self.files[mod][idx])
+        if not self.augment:
+            return images_to_tensor([im], self.size, self.mean, self.std)[0]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_item_seed(self.seed, epoch, mod, idx))
+            return self._tf[mod](im)
+
+
+CHUNK = 256  # images per DataLoader item: bounds the memory in flight at any batch size
+
+
+def step_loader(images: StepImages, batches, epoch: int, workers: int):
+    """One epoch of steps: each yields (2B, 3, H, W), the B sketches then the B photos of
+    ``batches`` (pairs of index tensors). The loader's items are chunks of at most CHUNK
+    images, so a batch of 4096 pairs never sits whole in one worker's memory."""
+    keys, sizes = [], []
+    for s, p in batches:
+        step = [(0, int(i), epoch) for i in s] + [(1, int(j), epoch) for j in p]
+        chunks = [step[i : i + CHUNK] for i in range(0, len(step), CHUNK)]
+        keys += chunks
+        sizes.append(len(chunks))
+    # its own generator: the loader's base seed must not consume the global RNG (which
+    # drives drop-connect in the trainable stages)
+    loader = iter(DataLoader(images, batch_sampler=keys, num_workers=workers,
+                             generator=torch.Generator().manual_seed(epoch)))
+    for n in sizes:
+        yield torch.cat([next(loader) for _ in range(n)])
+
+
+@torch.no_grad()
+def _trunk_outputs(split: Split, files, size: int, mean, std, device, batch_size: int,
+                   desc: str) -> torch.Tensor:
+    out = []
+    was = [m.training for m in split.frozen]
+    for m in split.frozen:
+        m.eval()
+    for i in tqdm(range(0, len(files), batch_size), desc=desc, unit="batch", leave=False):
+        x = images_to_tensor([load_image(Path(f)) for f in files[i : i + batch_size]],
+                             size, mean, std).to(device)
+        out.append(split.trunk(x).float().cpu())
+    for m, w in zip(split.frozen, was, strict=True):
+        m.train(w)
+    return torch.cat(out)
+
+
+def trunk_cache(split: Split, files, backbone: Backbone, size: int, device,
+                cache_dir: str | Path | None = None, batch_size: int = 64,
+                desc: str = "trunk cache") -> torch.Tensor:
+    """The trunk's output (N, C, h, w) for every file (no augmentation, eval mode), on the
+    CPU: computed once, each step then runs only the trainable stages. With ``cache_dir``
+    it is also kept on disk, keyed like the feature cache (backbone, weights, size, files)
+    plus the stage split, so later runs with the same trunk skip the pass."""
+    files = [Path(f) for f in files]
+    path = None
+    if cache_dir is not None:
+        key = cache_key(files, backbone, split.module, size) + f"|trunk-{split.K}"
+        digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+        path = Path(cache_dir) / f"{backbone.name}-{size}-trunk{split.K}-{digest}.pt"
+        if path.is_file():
+            cached = read_cache(path, key, len(files), ndim=4)
+            if cached is not None:
+                log.info("trunk activations from cache %s", path)
+                return cached
+    acts = _trunk_outputs(split, files, size, backbone.mean, backbone.std, device,
+                          batch_size, desc)
+    if path is not None:
+        atomic_save({"key": key, "features": acts, "files": [str(f) for f in files]}, path)
+        log.info("cached %d trunk activations %s at %s", len(files), tuple(acts.shape[1:]),
+                 path)
+    return acts
