@@ -14,8 +14,10 @@ from training.cdk.embedder import Embedder
 from training.cdk.metrics import retrieval_metrics
 from training.images import load_image
 
-CLASSES = ("airplane", "bat", "cow", "door", "pear")
+CLASSES = ("airplane", "ant", "apple", "bat", "cow", "door", "pear")
 TEST = ("bat", "cow")
+# The split rule holds out 2 of the 5 non-test classes (lowest sha256 of the name).
+VALID = ("airplane", "door")
 
 
 @pytest.fixture(scope="module")
@@ -65,17 +67,27 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
         assert sorted(m[key], key=int) == ["1", "2", "4"]
     for png in ("structure.png", "spectrum.png", "gallery.png"):
         assert (out / png).stat().st_size > 1000
+    assert m["split"]["train_classes"] == 3 and m["split"]["valid_classes"] == 2
+    v = m["valid"]
+    assert v["classes"] == list(VALID) and v["counts"] == {"sketches": 6, "photos": 6}
+    assert sorted(v["map_by_dims"], key=int) == sorted(v["precision_by_dims"], key=int) == [
+        "1", "2", "4"]
+    assert v["map_by_dims"]["4"] == v["map_all"]
+    nums = [v["map_all"], v["precision_at_k"], *v["map_by_dims"].values(),
+            *v["precision_by_dims"].values()]
+    assert all(np.isfinite(x) and 0 <= x <= 1 for x in nums)
 
     # The checkpoint alone reproduces the reported numbers through the Embedder.
     ck = load_checkpoint(out / "checkpoint.pt")
     assert ck["epoch"] == 2 and ck["train_state"] is None and ck["trained"]
     e = Embedder.from_checkpoint(out / "checkpoint.pt", device="cpu")
-    te = scan(root).restrict(list(TEST))
-    f = e.embed([load_image(p) for p in te.sketches], "sketch")
-    g = e.embed([load_image(p) for p in te.photos], "photo")
-    for d in (2, 4):
-        r = retrieval_metrics(f[:, :d], g[:, :d], te.sketch_labels, te.photo_labels, 2)
-        assert r["map_all"] == pytest.approx(m["map_by_dims"][str(d)], abs=1e-6)
+    for classes, want in ((TEST, m), (VALID, v)):  # test numbers top level, valid in "valid"
+        te = scan(root).restrict(list(classes))
+        f = e.embed([load_image(p) for p in te.sketches], "sketch")
+        g = e.embed([load_image(p) for p in te.photos], "photo")
+        for d in (2, 4):
+            r = retrieval_metrics(f[:, :d], g[:, :d], te.sketch_labels, te.photo_labels, 2)
+            assert r["map_all"] == pytest.approx(want["map_by_dims"][str(d)], abs=1e-6)
     np.testing.assert_allclose(e.singular_values.numpy(), m["singular_values"], rtol=1e-6)
 
     # Running again finds the finished run: no retraining, same numbers.
@@ -106,6 +118,8 @@ def test_cli_finetune_trains_separate_backbones(tiny, tmp_path):
     assert changed, "fine-tuning left both backbones identical"
     assert Embedder.from_checkpoint(out / "checkpoint.pt").embed(
         [load_image(next(Path(root, "sketch", "bat").iterdir()))], "sketch").shape == (1, 4)
+    # validation embeds through the fine-tuned backbones as the test evaluation does
+    assert np.isfinite(json.loads((out / "metrics.json").read_text())["valid"]["map_all"])
 
 
 def test_cli_instance_pairing(tiny, tmp_path):
@@ -114,3 +128,15 @@ def test_cli_instance_pairing(tiny, tmp_path):
     main(_args(root, split, out, tmp_path / "cache", "--pairing", "instance"))
     m = json.loads((out / "metrics.json").read_text())
     assert m["config"]["pairing"] == "instance" and 0 <= m["map_all"] <= 1
+    assert 0 <= m["valid"]["map_all"] <= 1
+
+
+def test_cli_without_validation_classes_writes_valid_null(tiny, tmp_path):
+    root, _ = tiny
+    split = tmp_path / "split.txt"  # 4 non-test classes: too few to hold any out
+    split.write_text("bat\ncow\ndoor\n")
+    out = tmp_path / "noval"
+    main(_args(root, split, out, tmp_path / "cache", "--epochs", "1"))
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["valid"] is None and m["split"]["valid_classes"] == 0
+    assert m["split"]["train_classes"] == 4 and 0 <= m["map_all"] <= 1

@@ -1,3 +1,4 @@
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -8,7 +9,7 @@ from PIL import Image
 from training.cdk.backbones import build_backbone
 from training.cdk.data import DataError, PairSampler, scan
 from training.cdk.features import extract_features
-from training.cdk.splits import SKETCHY2_TEST, split_classes
+from training.cdk.splits import SKETCHY2_TEST, split_classes, validation_classes
 from training.images import ImageError
 
 
@@ -174,13 +175,88 @@ def test_splits(tmp_path):
     f = tmp_path / "test.txt"
     f.write_text("# my split\nc001\nc002  # trailing comment\n")
     s = split_classes(str(f), classes)
-    assert s["test"] == ["c001", "c002"] and len(s["train"]) == 123
+    assert s["test"] == ["c001", "c002"] and (len(s["train"]), len(s["valid"])) == (111, 12)
     with pytest.raises(ValueError, match="nosuchsplit"):
         split_classes("nosuchsplit", classes)
+
+
+# sketchy1's classes as the SEM-PCYC rule drew them before validation_classes existed.
+SKETCHY1_C_VALID = ["c009", "c044", "c046", "c047", "c058", "c067", "c070", "c081", "c087",
+                    "c088", "c102", "c114"]
+SKETCHY1_C_TEST = ["c012", "c021", "c036", "c039", "c064", "c065", "c083", "c103", "c109",
+                   "c110", "c112", "c117", "c120"]
+
+
+def _check_partition(s: dict, classes: list[str]) -> None:
+    tr, va, te = (set(s[k]) for k in ("train", "valid", "test"))
+    assert not (tr & va) and not (tr & te) and not (va & te)
+    assert tr | va | te == set(classes)
+    assert all(s[k] == sorted(s[k]) for k in s)
+
+
+def test_validation_rule_matches_brute_force_hash_rank():
+    names = [f"class {i}" for i in range(37)] + ["évier", "a"]
+    digest = {c: hashlib.sha256(c.encode("utf-8")).hexdigest() for c in names}
+    n = len(names)  # 39: round(3.9) = 4
+    want = sorted(c for c in names if sum(digest[o] < digest[c] for o in names) < 4)
+    assert validation_classes(names) == want
+    assert validation_classes(names[::-1]) == want  # order of the list does not matter
+    state = np.random.get_state()
+    try:  # nor the global RNG
+        for seed in (1, 2):
+            np.random.seed(seed)
+            assert validation_classes(names) == want
+    finally:
+        np.random.set_state(state)
+    # round(n / 10) with halves up (not Python's banker's round: 25 -> 3), and never a single
+    # class (retrieval within one class is trivial): 5 -> 2, 14 -> 2
+    for k, nv in ((0, 0), (1, 0), (4, 0), (5, 2), (14, 2), (15, 2), (25, 3), (104, 10), (n, 4)):
+        assert len(validation_classes([f"x{i}" for i in range(k)])) == nv
+
+
+def test_file_and_sketchy2_splits_carve_validation_from_training(tmp_path):
+    others = [f"c{i:03d}" for i in range(104)]
+    classes = sorted(others + list(SKETCHY2_TEST))
+    s2 = split_classes("sketchy2", classes)
+    _check_partition(s2, classes)
+    assert (len(s2["train"]), len(s2["valid"]), len(s2["test"])) == (94, 10, 21)
+    assert s2["valid"] == validation_classes(others) and not set(s2["valid"]) & set(SKETCHY2_TEST)
+    assert split_classes("sketchy2", classes[::-1]) == s2  # deterministic, order-free
+
+    # The same training list beside other test classes gives the same validation classes.
+    train_list = [f"t{i:02d}" for i in range(30)]
+    picks = []
+    for tests in (["u1", "u2"], ["v1", "v2", "v3", "v4", "v5"]):
+        f = tmp_path / f"{len(tests)}.txt"
+        f.write_text("\n".join(tests) + "\n")
+        s = split_classes(str(f), train_list + tests)
+        _check_partition(s, train_list + tests)
+        assert s["test"] == tests and len(s["valid"]) == 3 and len(s["train"]) == 27
+        picks.append(s["valid"])
+    assert picks[0] == picks[1] == validation_classes(train_list)
+
+    # Too few training classes to hold any out: valid stays empty, training keeps them all.
+    f = tmp_path / "tiny.txt"
+    f.write_text("a\n")
+    assert split_classes(str(f), ["a", "b", "c", "d", "e"]) == {
+        "train": ["b", "c", "d", "e"], "valid": [], "test": ["a"]}
+
+
+def test_sketchy1_split_unchanged():
+    classes = [f"c{i:03d}" for i in range(125)]
+    s1 = split_classes("sketchy1", classes)
+    _check_partition(s1, classes)
+    assert s1["valid"] == SKETCHY1_C_VALID and s1["test"] == SKETCHY1_C_TEST
 
 
 def test_sketchy2_on_sketchy_mini(sketchy_mini):
     ds = scan(sketchy_mini)
     assert len(ds.classes) == 125
     s = split_classes("sketchy2", list(ds.classes))
-    assert s["test"] == sorted(SKETCHY2_TEST) and len(s["train"]) == 104
+    _check_partition(s, list(ds.classes))
+    assert s["test"] == sorted(SKETCHY2_TEST) and len(s["train"]) == 94
+    assert s["valid"] == ["airplane", "alarm_clock", "axe", "hat", "hedgehog", "owl", "penguin",
+                          "table", "violin", "volcano"]  # the names README lists
+    assert split_classes("sketchy1", list(ds.classes))["valid"] == [
+        "bear", "geyser", "guitar", "hamburger", "jack-o-lantern", "mushroom", "pear", "racket",
+        "saw", "saxophone", "spoon", "trumpet"]

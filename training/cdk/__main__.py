@@ -16,11 +16,14 @@ def main(argv: list[str] | None = None) -> int:
     m = run(cfg)
     if m:
         dims = " ".join(f"{d}:{v:.3f}" for d, v in m["map_by_dims"].items())
-        print(f"{cfg.method} on {cfg.split}: mAP@all {m['map_all']:.4f}  "
+        print(f"{cfg.method} on {cfg.split} test classes: mAP@all {m['map_all']:.4f}  "
               f"P@{m['k']} {m['precision_at_k']:.4f}  (raw {cfg.backbone} cosine: mAP@all "
               f"{m['raw_backbone_cosine']['map_all']:.4f}, P@{m['k']} "
               f"{m['raw_backbone_cosine']['precision_at_k']:.4f})")
         print(f"mAP by d most significant modes: {dims}")
+        if m["valid"] is not None:  # the numbers to choose settings by
+            print(f"validation classes: mAP@all {m['valid']['map_all']:.4f}  "
+                  f"P@{m['k']} {m['valid']['precision_at_k']:.4f}")
         print(f"wrote {cfg.out}/checkpoint.pt and {cfg.out}/metrics.json")
     return 0
 

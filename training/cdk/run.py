@@ -1,5 +1,6 @@
 """The ``python -m training.cdk`` pipeline: data -> cached features -> training ->
-evaluation on the zero-shot test classes -> checkpoint.pt, metrics.json and plots."""
+evaluation on the validation and the zero-shot test classes -> checkpoint.pt, metrics.json
+and plots."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from .plots import plot_gallery, plot_spectrum, plot_structure
 from .splits import split_classes
 from .train import TrainData, TrainResult, train
 
-__all__ = ["run", "embed_features", "Evaluation", "evaluate", "metrics_json"]
+__all__ = ["run", "load_data", "embed_features", "embed_dataset", "Evaluation", "evaluate",
+           "evaluate_valid", "metrics_json"]
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ def run(cfg: Config) -> dict:
         torch.set_num_threads(cfg.threads)
     device = distributed.init_from_env()
     out = Path(cfg.out)
-    split, tr, te = load_data(cfg)
+    split, tr, va, te = load_data(cfg)
     bb = build_backbone(cfg.backbone, cfg.backbone_weights or None)
     # rank 0 fills the feature cache, the other ranks then read it
     tr_s, tr_p = distributed.main_first(
@@ -54,22 +56,29 @@ def run(cfg: Config) -> dict:
         distributed.shutdown()  # waits for rank 0's evaluation
         return {}
     ev = evaluate(cfg, bb, res, te, tr_s, tr_p, device)
-    metrics = metrics_json(cfg, split, te, res, ev, train_seconds)
+    valid = evaluate_valid(cfg, bb, res, va, device)
+    log.info("mAP@all: valid %s, test %.4f (choose settings on valid)",
+             "n/a (no validation classes)" if valid is None else f"{valid['map_all']:.4f}",
+             ev.full["map_all"])
+    metrics = metrics_json(cfg, split, te, res, ev, train_seconds, valid)
     atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")
     write_plots(cfg, te, res, ev, out)
     distributed.shutdown()
     return metrics
 
 
-def load_data(cfg: Config) -> tuple[dict, Dataset, Dataset]:
-    """(class split, training classes, test classes) of ``cfg.data``."""
+def load_data(cfg: Config) -> tuple[dict, Dataset, Dataset, Dataset]:
+    """(class split, training, validation and test classes) of ``cfg.data``; the
+    validation Dataset has no classes when the split holds none out."""
     ds = scan(cfg.data)
     split = split_classes(cfg.split, list(ds.classes))
-    tr, te = ds.restrict(split["train"]), ds.restrict(split["test"])
-    log.info("split %s: %d train classes (%d sketches, %d photos), %d test classes "
-             "(%d sketches, %d photos)", cfg.split, len(tr.classes), len(tr.sketches),
-             len(tr.photos), len(te.classes), len(te.sketches), len(te.photos))
-    return split, tr, te
+    tr, va, te = (ds.restrict(split[name]) for name in ("train", "valid", "test"))
+    log.info("split %s: %d train classes (%d sketches, %d photos), %d valid classes "
+             "(%d sketches, %d photos), %d test classes (%d sketches, %d photos)", cfg.split,
+             len(tr.classes), len(tr.sketches), len(tr.photos), len(va.classes),
+             len(va.sketches), len(va.photos), len(te.classes), len(te.sketches),
+             len(te.photos))
+    return split, tr, va, te
 
 
 def _features(cfg: Config, bb: Backbone, files, desc: str, device,
@@ -108,16 +117,25 @@ class Evaluation:
     orthogonality_train: dict
 
 
+def embed_dataset(cfg: Config, bb: Backbone, res: TrainResult, ds: Dataset, name: str,
+                  device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(f (Qs, L), g (Np, L), x_s (Qs, D), x_p (Np, D)): the trained model's embeddings of
+    ``ds`` and the backbone features they were computed from (the fine-tuned backbones'
+    when there are any, else the pretrained one's); ``name`` labels the progress."""
+    dev = next(res.heads["sketch"].parameters()).device
+    bbs = res.backbones or {}
+    x_s = _features(cfg, bb, ds.sketches, f"{name} sketches", device, bbs.get("sketch"))
+    x_p = _features(cfg, bb, ds.photos, f"{name} photos", device, bbs.get("photo"))
+    return (embed_features(res.heads["sketch"], x_s, dev),
+            embed_features(res.heads["photo"], x_p, dev), x_s, x_p)
+
+
 def evaluate(cfg: Config, bb: Backbone, res: TrainResult, te: Dataset, tr_s: torch.Tensor,
              tr_p: torch.Tensor, device) -> Evaluation:
     """Embed the test classes with the trained heads (and backbones, if fine-tuned) and
     score them; tr_s, tr_p: (N, D) training features, the PCA baseline's fit."""
     dev = next(res.heads["sketch"].parameters()).device
-    bbs = res.backbones or {}
-    te_s = _features(cfg, bb, te.sketches, "test sketches", device, bbs.get("sketch"))
-    te_p = _features(cfg, bb, te.photos, "test photos", device, bbs.get("photo"))
-    f = embed_features(res.heads["sketch"], te_s, dev)  # (Qs, L)
-    g = embed_features(res.heads["photo"], te_p, dev)  # (Np, L)
+    f, g, te_s, te_p = embed_dataset(cfg, bb, res, te, "test", device)
     labels = (te.sketch_labels, te.photo_labels)
     curves = structure_curves(f, g, *labels, cfg.k)
     if res.backbones is not None:  # the baseline is the pretrained backbone, not the tuned one
@@ -134,6 +152,25 @@ def evaluate(cfg: Config, bb: Backbone, res: TrainResult, te: Dataset, tr_s: tor
     )
 
 
+def evaluate_valid(cfg: Config, bb: Backbone, res: TrainResult, va: Dataset,
+                   device) -> dict | None:
+    """metrics.json's "valid" block: retrieval metrics of the trained embeddings on the
+    validation classes, in full and by the d most significant modes (no baselines: they do
+    not depend on the trained model). None when the split has no validation classes."""
+    if not va.classes:
+        return None
+    f, g, _, _ = embed_dataset(cfg, bb, res, va, "valid", device)
+    labels = (va.sketch_labels, va.photo_labels)
+    most = structure_curves(f, g, *labels, cfg.k)["most"]
+    return {
+        **retrieval_metrics(f, g, *labels, cfg.k),
+        "map_by_dims": _by_dims(most, "map_all"),
+        "precision_by_dims": _by_dims(most, "precision_at_k"),
+        "classes": list(va.classes),
+        "counts": {"sketches": len(va.sketches), "photos": len(va.photos)},
+    }
+
+
 def _train_orthogonality(res: TrainResult, tr_s, tr_p, device) -> dict:
     """Orthogonality of the learned functions on the training classes (frozen backbones
     only; the fine-tuned ones would need the training images again)."""
@@ -148,8 +185,10 @@ def _by_dims(curve: dict, metric: str) -> dict[str, float]:
 
 
 def metrics_json(cfg: Config, split: dict, te: Dataset, res: TrainResult, ev: Evaluation,
-                 train_seconds: float) -> dict:
-    """The contents of metrics.json (benchmarks and tests read these keys)."""
+                 train_seconds: float, valid: dict | None) -> dict:
+    """The contents of metrics.json (benchmarks and tests read these keys): the top-level
+    retrieval numbers are the test classes'; ``valid`` (evaluate_valid) is those of the
+    validation classes, the ones to choose settings by (null when there are none)."""
     return {
         **ev.full,
         "map_by_dims": _by_dims(ev.curves["most"], "map_all"),
@@ -168,6 +207,7 @@ def metrics_json(cfg: Config, split: dict, te: Dataset, res: TrainResult, ev: Ev
         "split": {"name": cfg.split, "train_classes": len(split["train"]),
                   "valid_classes": len(split["valid"]), "test_classes": split["test"]},
         "test_counts": {"sketches": len(te.sketches), "photos": len(te.photos)},
+        "valid": valid,
         "train_seconds": train_seconds,
         "history": res.history,
         "config": to_dict(cfg),

@@ -1,21 +1,39 @@
 """Zero-shot class splits of Sketchy: split 2 (Yelamarthi et al., ECCV 2018), split 1
 (Shen et al. 2018 / SEM-PCYC: seeded random 80/10/10 over the sorted class list), or a
-user file listing the test classes (one per line, ``#`` comments allowed)."""
+user file listing the test classes (one per line, ``#`` comments allowed).
+
+Split 2 and file splits name no validation classes, so ``validation_classes`` carves them
+from the training classes by a fixed rule (no RNG): the round(n_train / 10) training
+classes (halves up; 2 where that is 1) with the lowest sha256 of their UTF-8 name. The
+rule looks at the training list only, so adding or removing test classes does not move
+it."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["SKETCHY2_TEST", "split_classes"]
+__all__ = ["SKETCHY2_TEST", "split_classes", "validation_classes"]
 
-# The 21 test classes of Sketchy split 2; the other 104 classes are for training.
+# The 21 test classes of Sketchy split 2; of the other 104, validation_classes holds out 10.
 SKETCHY2_TEST = (
     "bat", "cabin", "cow", "dolphin", "door", "giraffe", "helicopter", "mouse", "pear",
     "raccoon", "rhinoceros", "saw", "scissors", "seagull", "skyscraper", "songbird", "sword",
     "tree", "wheelchair", "windmill", "window",
 )  # fmt: skip
+
+
+def validation_classes(train: list[str]) -> list[str]:
+    """The validation classes carved from the n classes ``train``, sorted: the
+    round(n / 10) (halves up) names with the lowest sha256 hex digest of their UTF-8
+    bytes, but 2 where that is 1 (none for n < 5). A hash, not an RNG: the choice depends
+    on the names alone, not on seeds, on the order of ``train`` or on any class outside it."""
+    n = (len(train) + 5) // 10  # integer round-half-up: no float or banker's rounding
+    if n == 1:  # one class alone makes retrieval trivial: every photo relevant, mAP 1
+        n = 2
+    return sorted(sorted(train, key=lambda c: hashlib.sha256(c.encode()).hexdigest())[:n])
 
 
 def _sketchy1(classes: list[str]) -> tuple[list[str], list[str], list[str]]:
@@ -46,8 +64,10 @@ def _read_class_file(path: Path) -> list[str]:
 
 
 def split_classes(spec: str, classes: list[str]) -> dict[str, list[str]]:
-    """{"train", "valid", "test"} class lists for ``spec`` (sketchy2 | sketchy1 | FILE)
-    over the dataset's ``classes``; a test class missing from the data is an error."""
+    """{"train", "valid", "test"} disjoint sorted class lists for ``spec`` (sketchy2 |
+    sketchy1 | FILE) over the dataset's ``classes``; a test class missing from the data is
+    an error. sketchy1 keeps its own validation classes; the others get
+    ``validation_classes`` of their training classes (which then leave training)."""
     classes = sorted(classes)
     if spec == "sketchy1":
         train, valid, test = _sketchy1(classes)
@@ -63,7 +83,9 @@ def split_classes(spec: str, classes: list[str]) -> dict[str, list[str]]:
         raise ValueError(f"split {spec!r}: test classes not in the data: {missing}")
     if len(set(test)) != len(test):
         raise ValueError(f"split {spec!r} lists a test class twice")
-    train = [c for c in classes if c not in set(test)]
-    if not train:
+    rest = [c for c in classes if c not in set(test)]
+    if not rest:
         raise ValueError(f"split {spec!r} leaves no training classes")
-    return {"train": train, "valid": [], "test": sorted(test)}
+    valid = validation_classes(rest)
+    train = [c for c in rest if c not in set(valid)]
+    return {"train": train, "valid": valid, "test": sorted(test)}
