@@ -20,6 +20,7 @@ from index.gallery import embed_photos, scan_gallery
 from index.store import IndexWriter, Sidecar, load_index, now_utc, read_sidecar
 from index.threads import set_threads
 from training import cli
+from training.allocator import tune_allocator
 from training.cdk.embedder import Embedder
 from training.folders import DataError
 
@@ -112,6 +113,7 @@ def parse_args(argv: list[str] | None = None) -> AddConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    tune_allocator()
     cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     set_threads(cfg.threads)

@@ -30,6 +30,7 @@ from index.store import (
 )
 from index.threads import set_threads
 from training import cli
+from training.allocator import tune_allocator
 from training.cdk.embedder import Embedder
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ def parse_args(argv: list[str] | None = None) -> BuildConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    tune_allocator()
     cfg = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     set_threads(cfg.threads)

@@ -19,6 +19,7 @@ from service.main import create_app
 from service.server import server_config
 from service.settings import Settings
 from training import cli
+from training.allocator import tune_allocator
 
 DEFAULT_DATA = "../shared/data/sketchy-mini"
 DEFAULT_CHECKPOINT = "runs/cdk/checkpoint.pt"
@@ -42,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
 
 
 def main(argv: list[str] | None = None) -> int:
+    tune_allocator()
     settings = parse_args(argv)
     try:
         read_sidecar(settings.index)

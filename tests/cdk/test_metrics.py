@@ -116,3 +116,16 @@ def test_orthogonality_stats():
     z = torch.randn(200, 2, dtype=torch.float64)
     z[:, 1] = z[:, 0]
     assert orthogonality_stats(z)["max_abs_offdiag"] == pytest.approx(1.0)
+
+
+def test_spectrum_order_against_a_loop():
+    from training.cdk.metrics import spectrum_order
+
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        sv = np.sort(rng.random(40))[::-1] + rng.normal(0, 0.02, 40)
+        rises = [sv[i + 1] - sv[i] for i in range(31) if sv[i + 1] > sv[i]]
+        got = spectrum_order(sv)
+        assert got["top"] == 32 and got["rising_pairs"] == len(rises)
+        assert got["max_swap"] == pytest.approx(max(rises, default=0.0))
+    assert spectrum_order([3.0, 2.0, 1.0]) == {"top": 3, "max_swap": 0.0, "rising_pairs": 0}

@@ -6,11 +6,14 @@ from __future__ import annotations
 import logging
 import sys
 
+from training.allocator import tune_allocator
+
 from .config import parse_args
 from .run import run
 
 
 def main(argv: list[str] | None = None) -> int:
+    tune_allocator()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = parse_args(argv)
     m = run(cfg)

@@ -10,8 +10,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["retrieval_metrics", "structure_curves", "orthogonality_stats", "power_of_two_dims",
-           "cosine_scores_metrics", "pca_curves"]
+__all__ = ["spectrum_order", "retrieval_metrics", "structure_curves", "orthogonality_stats",
+           "power_of_two_dims", "cosine_scores_metrics", "pca_curves"]
+
+
+def spectrum_order(sv, top: int = 32) -> dict:
+    """How far the leading ``top`` singular values (L,) are from non-increasing order:
+    max_swap = max_i (sv[i+1] - sv[i]) over adjacent pairs (0 when sorted), and how many
+    adjacent pairs rise at all."""
+    s = torch.as_tensor(sv, dtype=torch.float64)[:top]
+    rise = (s[1:] - s[:-1]).clamp_min(0)
+    return {"top": len(s), "max_swap": float(rise.max()) if len(rise) else 0.0,
+            "rising_pairs": int((rise > 0).sum())}
 
 
 def _ap_and_pk(scores: torch.Tensor, rel: torch.Tensor, k: int):

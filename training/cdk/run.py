@@ -24,6 +24,7 @@ from .metrics import (
     orthogonality_stats,
     pca_curves,
     retrieval_metrics,
+    spectrum_order,
     structure_curves,
 )
 from .plots import plot_gallery, plot_spectrum, plot_structure
@@ -196,6 +197,7 @@ def metrics_json(cfg: Config, split: dict, te: Dataset, res: TrainResult, ev: Ev
         "map_by_dims_least": _by_dims(ev.curves["least"], "map_all"),
         "precision_by_dims_least": _by_dims(ev.curves["least"], "precision_at_k"),
         "singular_values": res.singular_values.tolist(),
+        "spectrum_order": spectrum_order(res.singular_values),
         "orthogonality_test": ev.orthogonality_test,
         "orthogonality_train": ev.orthogonality_train,
         "raw_backbone_cosine": ev.raw,

@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 import sys
 
+from training.allocator import tune_allocator
 from training.pde.config import parse_args
 from training.pde.run import run
 
 
 def main(argv: list[str] | None = None) -> int:
+    tune_allocator()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = parse_args(argv)
     m = run(config)
