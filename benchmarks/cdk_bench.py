@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from training.allocator import tune_allocator
 from training.cdk.config import PRESETS, make_config
 from training.cdk.plots import plot_structure
 from training.cdk.run import run
@@ -52,6 +53,7 @@ def _row(cells) -> str:
 
 
 def main(argv=None) -> int:
+    tune_allocator()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True)
     p.add_argument("--out", default="runs/cdk-bench")

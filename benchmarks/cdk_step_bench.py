@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from training.allocator import tune_allocator
 from training.cdk.backbones import build_backbone
 from training.cdk.config import NESTING_OF, make_config, nesting_weights
 from training.cdk.data import PairSampler, scan
@@ -81,6 +82,7 @@ def _time_steps(cfg, model, opt, masks, inputs, data, steps, warmup):
 
 
 def main(argv: list[str] | None = None) -> None:
+    tune_allocator()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True)
     ap.add_argument("--split", default="sketchy2")

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from training.allocator import tune_allocator
 from training.device import pick_device
 from training.loss import cdk_loss, evd_loss, nesting_masks
 
@@ -74,6 +75,7 @@ def bench(name, hand, auto, inputs, n_grad, repeats, sync):
 
 
 def main(argv=None):
+    tune_allocator()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="auto", help="auto: CUDA when present")

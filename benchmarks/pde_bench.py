@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from training.allocator import tune_allocator
 from training.device import pick_device
 from training.pde import plots
 from training.pde.checkpoint import build_model
@@ -138,6 +139,7 @@ def _paper_step_table(rows: dict) -> None:
 
 
 def main(argv=None):
+    tune_allocator()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--out", default="runs/pde-bench")
     parser.add_argument("--problem", default="hydrogen", choices=["hydrogen", "oscillator"])
