@@ -23,10 +23,13 @@ def data_dir(tmp_path, monkeypatch):
 
 
 def test_defaults_are_the_cpu_preset():
-    assert make_config("cpu") == Config()
-    assert make_config() == Config() and Config().preset == "cpu"
+    # the preset is Config() with the native input size resolved
+    native = dataclasses.replace(Config(), image_size=240)
+    assert make_config("cpu") == native
+    assert make_config() == native and Config().preset == "cpu"
     c = Config()
-    assert (c.L, c.hidden, c.batch_size, c.epochs, c.lr, c.k) == (256, 1024, 512, 60, 0.05, 10)
+    assert (c.L, c.hidden, c.batch_size, c.epochs, c.lr, c.k) == (256, 1024, 512, 200, 0.05, 10)
+    assert (c.backbone, c.image_size, c.weight_decay) == ("efficientnet-lite1", 0, 5e-3)
     assert (c.method, c.nesting_weights, c.mu, c.grad_clip) == ("neuralsvd-jnt", "harmonic",
                                                                 16.0, 1.0)
 

@@ -93,7 +93,7 @@ def test_native_sizes_resolve_and_bad_values_are_named():
     with pytest.raises(ValueError, match="bn"):
         make_config("cpu", bn="batch")
     with pytest.raises(ValueError, match="trainable_stages"):
-        make_config("cpu", finetune=True, trainable_stages=17)
+        make_config("cpu", backbone="efficientnet-lite0", finetune=True, trainable_stages=17)
     with pytest.raises(ValueError, match="workers"):
         make_config("cpu", workers=-1)
 
