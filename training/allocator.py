@@ -5,7 +5,8 @@ pages of its own that are returned on free, so a network's forward pass page-fau
 activations in anew on every call: measured here, an EfficientNet-Lite0 forward of 64 images
 took 7.4 s with 6 million minor faults and two thirds of the time in the kernel, 2.0 s with
 none after ``tune_allocator()`` (``benchmarks/allocator_bench.py``). Freed memory then stays
-in the process for reuse instead; the peak is unchanged.
+in the process for reuse instead; the peak is unchanged. ``SKETCHSVD_ALLOCATOR=default`` in
+the environment keeps glibc's defaults (to compare, or to hand memory back sooner).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 __all__ = ["tune_allocator"]
 
@@ -26,6 +28,8 @@ _TRIM_THRESHOLD = (1 << 31) - 1  # keep up to 2 GiB of free heap rather than unm
 def tune_allocator() -> bool:
     """Keep freed blocks below 1 GiB for reuse (glibc only; elsewhere a no-op). Returns
     whether the settings took effect. Forked DataLoader workers inherit them."""
+    if os.environ.get("SKETCHSVD_ALLOCATOR", "") == "default":
+        return False
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
