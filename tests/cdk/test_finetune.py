@@ -278,3 +278,29 @@ def test_paper_preset_runs_the_finetuning_path_end_to_end(tmp_path):
     e = Embedder.from_checkpoint(tmp_path / "o" / "checkpoint.pt", device="cpu")
     z = e.embed([Image.new("RGB", (40, 40), (200, 10, 10))], "photo")
     assert z.shape == (1, 8) and np.isfinite(z).all()
+
+
+def test_view_features_are_the_backbone_on_seeded_views_and_cached(dataset, lite0, tmp_path,
+                                                                   monkeypatch):
+    from training.cdk import views as views_mod
+
+    files = list(dataset.photos)
+    got = views_mod.view_features(files, 1, lite0, SIZE, 2, 0, tmp_path, batch_size=3,
+                                  device="cpu")
+    assert got.shape == (2, len(files), lite0.feature_dim)
+    images = StepImages(files, files, SIZE, lite0.mean, lite0.std, True, 0)
+    lite0.module.eval()
+    with torch.no_grad():
+        for v in range(2):
+            ref = lite0.module(torch.stack([images[(1, i, v)] for i in range(len(files))]))
+            torch.testing.assert_close(got[v], ref, rtol=1e-4, atol=1e-5)
+    plain = extract_features(files, lite0, SIZE, None, device="cpu")
+    assert not torch.allclose(got[0], plain, atol=1e-3)  # augmented, not the plain view
+    assert not torch.allclose(got[0], got[1], atol=1e-3)  # and the views differ
+
+    def no_pass(*a, **kw):
+        raise AssertionError("views recomputed although cached")
+
+    monkeypatch.setattr(views_mod.StepImages, "__getitem__", no_pass)
+    again = views_mod.view_features(files, 1, lite0, SIZE, 2, 0, tmp_path, device="cpu")
+    torch.testing.assert_close(again, got, rtol=0, atol=0)

@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -107,3 +109,45 @@ def test_joint_nesting_recovers_exact_cdk_spectrum(tmp_path, weights):
     sv = train_mod.train(cfg, data, synthetic_backbone(4), tmp_path).singular_values
     np.testing.assert_allclose(sv.numpy(), exact[:2], atol=0.01)
     assert exact[0] - exact[1] > 0.1  # distinct modes, so the order is informative
+
+
+def _with_views(data, views_s, views_p):
+    return dataclasses.replace(data, sketch_views=views_s, photo_views=views_p)
+
+
+def test_feature_views_are_drawn_per_image_and_resume_exactly(tmp_path, monkeypatch):
+    data = synthetic_data()
+    cfg = _cfg(tmp_path, feature_views=2)
+    plain = train_mod.train(cfg, data, synthetic_backbone(), tmp_path / "plain")
+    # views identical to the plain features: whichever is drawn, the run is the plain run
+    same = _with_views(data, data.sketch_feats.repeat(2, 1, 1), data.photo_feats.repeat(2, 1, 1))
+    copy = train_mod.train(cfg, same, synthetic_backbone(), tmp_path / "copy")
+    torch.testing.assert_close(copy.singular_values, plain.singular_values, rtol=0, atol=0)
+    # real views change the run, and a resumed run draws the same views as an unbroken one
+    g = torch.Generator().manual_seed(1)
+    views = _with_views(data, data.sketch_feats + torch.randn(2, *data.sketch_feats.shape,
+                                                               generator=g),
+                        data.photo_feats + torch.randn(2, *data.photo_feats.shape, generator=g))
+    full = train_mod.train(cfg, views, synthetic_backbone(), tmp_path / "full")
+    assert not torch.allclose(full.singular_values, plain.singular_values)
+    real_save = train_mod.save_checkpoint
+
+    def crash_after_first(*a, **k):
+        real_save(*a, **k)
+        raise KeyboardInterrupt("simulated interruption")
+
+    monkeypatch.setattr(train_mod, "save_checkpoint", crash_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        train_mod.train(cfg, views, synthetic_backbone(), tmp_path / "cut")
+    monkeypatch.setattr(train_mod, "save_checkpoint", real_save)
+    cut = train_mod.train(cfg, views, synthetic_backbone(), tmp_path / "cut")
+    for m in ("sketch", "photo"):
+        for k, v in full.heads[m].state_dict().items():
+            torch.testing.assert_close(cut.heads[m].state_dict()[k], v, rtol=0, atol=0)
+
+
+def test_feature_views_are_for_frozen_backbones():
+    with pytest.raises(ValueError, match="feature_views"):
+        make_config("cpu", finetune=True, feature_views=2)
+    with pytest.raises(ValueError, match="feature_views"):
+        make_config("cpu", feature_views=-1)

@@ -55,6 +55,9 @@ class Config:
     workers: int = 0  # finetune: DataLoader processes decoding images; 0: the main one
     head_epochs: int = 0  # after the epochs: heads only, on features of the final backbones
     head_lr: float = 0.05  # SGD lr of the head-only epochs (cosine to 0 over them)
+    # frozen path: V augmented views of each training image, their features cached; each
+    # epoch draws the plain features or one view per sampled image (0: plain only)
+    feature_views: int = 0
     cache_dir: str = ".cache/cdk-features"
     # model
     method: str = "neuralsvd-jnt"
@@ -143,7 +146,10 @@ def _check(cfg: Config) -> Config:
         raise ValueError(f"backbone must be one of {sorted(BACKBONES)}, got {cfg.backbone!r}")
     if cfg.bn not in BN_POLICIES:
         raise ValueError(f"bn must be one of {BN_POLICIES}, got {cfg.bn!r}")
-    for name in ("trainable_stages", "workers", "head_epochs", "image_size"):
+    if cfg.finetune and cfg.feature_views:
+        raise ValueError("feature_views applies to frozen backbones; fine-tuning augments "
+                         "with --augment")
+    for name in ("trainable_stages", "workers", "head_epochs", "image_size", "feature_views"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)!r}")
     if cfg.image_size == 0:  # resolved here, so every consumer and checkpoint sees the size

@@ -30,6 +30,7 @@ from .metrics import (
 from .plots import plot_gallery, plot_spectrum, plot_structure
 from .splits import split_classes
 from .train import TrainData, TrainResult, train
+from .views import view_features
 
 __all__ = ["run", "load_data", "embed_features", "embed_dataset", "Evaluation", "evaluate",
            "evaluate_valid", "metrics_json"]
@@ -50,8 +51,15 @@ def run(cfg: Config) -> dict:
     tr_s, tr_p = distributed.main_first(
         lambda: (_features(cfg, bb, tr.sketches, "train sketches", device),
                  _features(cfg, bb, tr.photos, "train photos", device)))
+    views = (None, None)
+    if cfg.feature_views > 0:
+        views = distributed.main_first(lambda: tuple(
+            view_features(files, mod, bb, cfg.image_size, cfg.feature_views, cfg.seed,
+                          cfg.cache_dir or None, device=device, desc=f"train {name} views")
+            for mod, (name, files) in enumerate((("sketch", tr.sketches),
+                                                 ("photo", tr.photos)))))
     t0 = time.perf_counter()
-    res = train(cfg, _train_data(cfg, tr, tr_s, tr_p), bb, out, device=device)
+    res = train(cfg, _train_data(cfg, tr, tr_s, tr_p, *views), bb, out, device=device)
     train_seconds = time.perf_counter() - t0
     if distributed.rank_and_world()[0] != 0:
         distributed.shutdown()  # waits for rank 0's evaluation
@@ -90,10 +98,11 @@ def _features(cfg: Config, bb: Backbone, files, desc: str, device,
                             device=device, desc=desc)
 
 
-def _train_data(cfg: Config, tr: Dataset, tr_s: torch.Tensor, tr_p: torch.Tensor) -> TrainData:
+def _train_data(cfg: Config, tr: Dataset, tr_s: torch.Tensor, tr_p: torch.Tensor,
+                sketch_views=None, photo_views=None) -> TrainData:
     return TrainData(tr_s, tr_p, tr.sketch_labels, tr.photo_labels,
                      tr.instance_pairs() if cfg.pairing == "instance" else None,
-                     list(tr.sketches), list(tr.photos))
+                     list(tr.sketches), list(tr.photos), sketch_views, photo_views)
 
 
 @torch.no_grad()

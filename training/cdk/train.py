@@ -50,6 +50,10 @@ class TrainData:
     photo_of: np.ndarray | None = None
     sketch_files: list | None = None
     photo_files: list | None = None
+    # frozen path: features of augmented views (V, N, D) per modality; each epoch draws,
+    # per sampled image, its plain features or one of its V views
+    sketch_views: torch.Tensor | None = None
+    photo_views: torch.Tensor | None = None
 
 
 @dataclass
@@ -275,6 +279,23 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
         scheduler.step()
         return loss.item()
 
+    views = None
+    if data.sketch_views is not None and data.photo_views is not None and not finetune:
+        # (V + 1, N, D): row 0 the plain features the heads are standardised on
+        views = {"sketch": torch.cat([feats["sketch"][None], data.sketch_views.to(device)]),
+                 "photo": torch.cat([feats["photo"][None], data.photo_views.to(device)])}
+    view_gen = torch.Generator()
+
+    def pick_views(s, p):
+        """The features of a batch: plain, or one view drawn per image (seeded by the
+        step's generator state, so a resumed run draws the same)."""
+        s, p = s.to(device), p.to(device)
+        if views is None:
+            return feats["sketch"][s], feats["photo"][p]
+        vs = torch.randint(len(views["sketch"]), (len(s),), generator=view_gen).to(device)
+        vp = torch.randint(len(views["photo"]), (len(p),), generator=view_gen).to(device)
+        return views["sketch"][vs, s], views["photo"][vp, p]
+
     def batches(epoch):
         return [(s[lo:hi], p[lo:hi]) for s, p in sampler.epoch(cfg.seed, epoch, cfg.batch_size)]
 
@@ -282,6 +303,7 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
     for epoch in range(start, total):
         t0, losses = time.perf_counter(), []
         torch.manual_seed(cfg.seed * 1_000_003 + epoch)  # dropout/drop-connect: resumable
+        view_gen.manual_seed(cfg.seed * 1_000_003 + epoch)
         if epoch < cfg.epochs:
             optimizer, scheduler = opt, sched
             _train_mode(model, cfg)
@@ -290,8 +312,8 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
                     losses.append(step(xs, ys, opt, sched, ddp))
             else:
                 for s, p in batches(epoch):
-                    losses.append(step(feats["sketch"][s.to(device)],
-                                       feats["photo"][p.to(device)], opt, sched, ddp))
+                    xs, ys = pick_views(s, p)
+                    losses.append(step(xs, ys, opt, sched, ddp))
             sv = _spectrum(model, cfg, feats, inputs)
         else:
             if head_opt is None:  # entering (or resuming) the head-only phase
@@ -316,9 +338,8 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
             optimizer, scheduler = head_opt, head_sched
             model.train()
             for s, p in batches(epoch):
-                losses.append(step(feats["sketch"][s.to(device)],
-                                   feats["photo"][p.to(device)], head_opt, head_sched,
-                                   head_ddp))
+                xs, ys = pick_views(s, p)
+                losses.append(step(xs, ys, head_opt, head_sched, head_ddp))
             sv = _spectrum(model, cfg, feats, None)
         history.append({"epoch": epoch + 1, "loss": float(np.mean(losses)),
                         "lr": scheduler.get_last_lr()[0], "seconds": time.perf_counter() - t0,
