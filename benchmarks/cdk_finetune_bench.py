@@ -16,7 +16,6 @@ Settings are to be compared on the validation columns; the test columns are the 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import shutil
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from training import cli
 from training.allocator import tune_allocator
 from training.cdk.config import Config, make_config
 from training.cdk.run import run
@@ -42,24 +42,15 @@ VARIANTS: dict[str, dict] = {
 
 
 def _parse_sets(items: list[str]) -> dict:
-    """["lr=0.01", "finetune=true"] -> typed overrides of Config fields."""
-    types = {f.name: f.type for f in dataclasses.fields(Config)}
-    out = {}
+    """["lr=0.01", "finetune=true"] -> Config overrides, typed and checked by the same
+    dashed-flag parser as ``python -m training.cdk``."""
+    argv = []
     for item in items:
         key, sep, value = item.partition("=")
-        key = key.replace("-", "_")
-        if not sep or key not in types:
-            raise SystemExit(f"--set takes FIELD=VALUE with a Config field, got {item!r}")
-        kind = types[key] if isinstance(types[key], str) else types[key].__name__
-        if kind == "bool":
-            if value.lower() not in ("true", "false"):
-                raise SystemExit(f"--set {key} takes true or false, got {value!r}")
-            out[key] = value.lower() == "true"
-        elif kind in ("int", "float"):
-            out[key] = {"int": int, "float": float}[kind](value)
-        else:
-            out[key] = value
-    return out
+        if not sep:
+            raise SystemExit(f"--set takes FIELD=VALUE, got {item!r}")
+        argv += ["--" + key.replace("_", "-"), value]
+    return vars(cli.build_parser(Config, prog="--set").parse_args(argv))
 
 
 def _record(name: str, seed: int, m: dict, wall: float) -> dict:

@@ -156,9 +156,12 @@ def _check(cfg: Config) -> Config:
         from .backbones import NATIVE_SIZE
 
         cfg = dataclasses.replace(cfg, image_size=NATIVE_SIZE[cfg.backbone])
-    if cfg.finetune and cfg.trainable_stages > max_stages(cfg.backbone):
-        raise ValueError(f"trainable_stages must be <= {max_stages(cfg.backbone)} for "
-                         f"{cfg.backbone}, got {cfg.trainable_stages}")
+    if cfg.finetune:
+        from .finetune import STAGES  # local: keep config import light
+
+        if cfg.trainable_stages > STAGES[cfg.backbone]:
+            raise ValueError(f"trainable_stages must be <= {STAGES[cfg.backbone]} for "
+                             f"{cfg.backbone}, got {cfg.trainable_stages}")
     for name in ("L", "hidden", "epochs", "batch_size", "image_size", "k"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)!r}")
@@ -168,13 +171,6 @@ def _check(cfg: Config) -> Config:
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name} must be positive, got {getattr(cfg, name)!r}")
     return cfg
-
-
-def max_stages(backbone: str) -> int:
-    """How many trailing stages of ``backbone`` trainable_stages can name."""
-    from .finetune import STAGES  # local: keep config import light
-
-    return STAGES[backbone]
 
 
 def make_config(preset: str = DEFAULT_PRESET, **overrides) -> Config:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from training.images import images_to_tensor, load_image
 
 from .backbones import Backbone, weights_fingerprint
 
-__all__ = ["extract_features", "cache_key", "read_cache"]
+__all__ = ["extract_features", "cache_key", "cached_tensor"]
 
 log = logging.getLogger(__name__)
 _VERSION = 2  # bump when preprocessing changes (2: EXIF orientation, 16-bit scaling)
@@ -38,11 +39,11 @@ def cache_key(files, backbone: Backbone, module: torch.nn.Module, image_size: in
     return h.hexdigest()
 
 
-def read_cache(path: Path, key: str, n: int, ndim: int = 2) -> torch.Tensor | None:
-    """The (n, ...) features (``ndim`` dimensions) cached at ``path``, or None, with a
-    warning saying why, when the file is unreadable (truncated, empty, not a cache), stale,
-    misshapen or not finite: a cache is only ever a shortcut, so a bad one is recomputed,
-    never trusted or fatal."""
+def _read_cache(path: Path, key: str, lead: tuple[int, ...], ndim: int) -> torch.Tensor | None:
+    """The floats cached at ``path`` (``ndim`` dimensions, the first ones ``lead``), or
+    None, with a warning saying why, when the file is unreadable (truncated, empty, not a
+    cache), stale, misshapen or not finite: a cache is only ever a shortcut, so a bad one is
+    recomputed, never trusted or fatal."""
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file is a cache miss
@@ -52,15 +53,33 @@ def read_cache(path: Path, key: str, n: int, ndim: int = 2) -> torch.Tensor | No
     if not isinstance(obj, dict) or obj.get("key") != key:
         log.warning("recomputing: feature cache %s is stale (another key)", path)
     elif not (isinstance(feats, torch.Tensor) and feats.is_floating_point()
-              and feats.ndim == ndim and feats.shape[0] == n):
+              and feats.ndim == ndim and tuple(feats.shape[: len(lead)]) == lead):
         shape = tuple(feats.shape) if isinstance(feats, torch.Tensor) else type(feats).__name__
-        log.warning("recomputing: feature cache %s holds %s, not (%d, ...) floats of %d "
-                    "dimensions", path, shape, n, ndim)
+        log.warning("recomputing: feature cache %s holds %s, not floats of %d dimensions "
+                    "starting %s", path, shape, ndim, lead)
     elif not bool(torch.isfinite(feats).all()):
         log.warning("recomputing: feature cache %s holds NaN or infinite values", path)
     else:
         return feats.float()
     return None
+
+
+def cached_tensor(path: Path | None, key: str, files, lead: tuple[int, ...], ndim: int,
+                  compute: Callable[[], torch.Tensor], what: str = "features") -> torch.Tensor:
+    """The tensor cached at ``path`` under ``key`` when it is there and sound (see
+    _read_cache), else ``compute()``, then written there atomically with the file list.
+    ``path`` None: no cache. Every cache of this package (features, trunk activations,
+    augmented views) goes through here."""
+    if path is not None and path.is_file():
+        cached = _read_cache(path, key, lead, ndim)
+        if cached is not None:
+            log.info("%s from cache %s", what, path)
+            return cached
+    out = compute()
+    if path is not None:
+        atomic_save({"key": key, "features": out, "files": [str(f) for f in files]}, path)
+        log.info("cached %s %s at %s", what, tuple(out.shape), path)
+    return out
 
 
 @torch.no_grad()
@@ -92,17 +111,9 @@ def extract_features(
     device = pick_device(device)
     if not files:
         return torch.zeros(0, backbone.feature_dim)
-    path = None
+    key, path = "", None
     if cache_dir is not None:
         key = cache_key(files, backbone, module, image_size)
         path = Path(cache_dir) / f"{backbone.name}-{image_size}-{key[:24]}.pt"
-        if path.is_file():
-            cached = read_cache(path, key, len(files))
-            if cached is not None:
-                log.info("features from cache %s", path)
-                return cached
-    feats = _compute(files, backbone, module, image_size, batch_size, device, desc)
-    if path is not None:
-        atomic_save({"key": key, "features": feats, "files": [str(f) for f in files]}, path)
-        log.info("cached %d features at %s", len(files), path)
-    return feats
+    return cached_tensor(path, key, files, (len(files),), 2, lambda: _compute(
+        files, backbone, module, image_size, batch_size, device, desc))

@@ -10,7 +10,6 @@ BN train with them) and the five max-pool-delimited conv stages of VGG16.
 from __future__ import annotations
 
 import hashlib
-import logging
 from pathlib import Path
 
 import torch
@@ -18,16 +17,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from training.files import atomic_save
 from training.images import ImageError, images_to_tensor, load_image
 
 from .backbones import Backbone
-from .features import cache_key, read_cache
+from .features import cache_key, cached_tensor
 
 __all__ = ["STAGES", "Split", "set_train_mode", "validate_images", "StepImages",
            "step_loader", "trunk_cache"]
-
-log = logging.getLogger(__name__)
 
 STAGES = {"efficientnet-lite0": 16, "efficientnet-lite1": 21, "efficientnet-lite2": 21,
           "vgg16": 5}
@@ -204,20 +200,11 @@ def trunk_cache(split: Split, files, backbone: Backbone, size: int, device,
     it is also kept on disk, keyed like the feature cache (backbone, weights, size, files)
     plus the stage split, so later runs with the same trunk skip the pass."""
     files = [Path(f) for f in files]
-    path = None
+    key, path = "", None
     if cache_dir is not None:
         key = cache_key(files, backbone, split.module, size) + f"|trunk-{split.K}"
         digest = hashlib.sha256(key.encode()).hexdigest()[:24]
         path = Path(cache_dir) / f"{backbone.name}-{size}-trunk{split.K}-{digest}.pt"
-        if path.is_file():
-            cached = read_cache(path, key, len(files), ndim=4)
-            if cached is not None:
-                log.info("trunk activations from cache %s", path)
-                return cached
-    acts = _trunk_outputs(split, files, size, backbone.mean, backbone.std, device,
-                          batch_size, desc)
-    if path is not None:
-        atomic_save({"key": key, "features": acts, "files": [str(f) for f in files]}, path)
-        log.info("cached %d trunk activations %s at %s", len(files), tuple(acts.shape[1:]),
-                 path)
-    return acts
+    return cached_tensor(path, key, files, (len(files),), 4, lambda: _trunk_outputs(
+        split, files, size, backbone.mean, backbone.std, device, batch_size, desc),
+        what="trunk activations")
