@@ -1,16 +1,19 @@
-"""Bounded load test of the retrieval service on 127.0.0.1, and the split of a request's time.
+"""Bounded load test of the retrieval service on 127.0.0.1, and the split of a request's time,
+for each sketch encoder (PyTorch and ONNX Runtime) in the same run.
 
     python benchmarks/service_bench.py                       # builds runs/bench/index once
     python benchmarks/service_bench.py --index runs/index    # an existing index
+    python benchmarks/service_bench.py --encoders onnx       # one encoder only
 
-Starts `python -m service` as a separate process on a free local port, sends a fixed number
-of `POST /retrieve` requests at each concurrency (1, 4, 16), and prints p50/p99 latency,
-throughput and the error count (which must be zero). The split of one request into decode,
-preprocess, backbone, head and search comes from the server's `Server-Timing` header; the
-rest of the client-side latency is HTTP, multipart parsing and JSON.
+For each encoder, starts `python -m service` as a separate process on a free local port,
+sends a fixed number of `POST /retrieve` requests at each concurrency (1, 4, 16), and prints
+p50/p99 latency, throughput and the error count (which must be zero). The split of one
+request into decode, preprocess, encode (backbone + head) and search comes from the server's
+`Server-Timing` header; the rest of the client-side latency is HTTP, multipart parsing and
+JSON. The load client runs on the same machine and takes its share of the CPU.
 
 Without --index it builds one from an untrained checkpoint shaped like the `cpu` preset
-(EfficientNet-Lite0 at 224 px, head 1024 -> L=256; timing does not depend on training) over
+(EfficientNet-Lite1 at 240 px, head 1024 -> L=256; timing does not depend on training) over
 the sketchy-mini photos.
 """
 
@@ -32,7 +35,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "sketchy-mini"
-STAGES = ("decode", "preprocess", "backbone", "head", "search")
+STAGES = ("decode", "preprocess", "encode", "search")
+ENCODERS = ("torch", "onnx")
 
 
 def free_port() -> int:
@@ -62,7 +66,8 @@ def prepare_index(out: Path, data: Path, classes: int | None) -> Path:
                 copy = photos / cls / f.name
                 if not copy.exists():
                     shutil.copyfile(f, copy)
-    ckpt = init_checkpoint(out / "checkpoint.pt", L=256, hidden=1024, image_size=224)
+    ckpt = init_checkpoint(out / "checkpoint.pt", backbone="efficientnet-lite1", L=256,
+                           hidden=1024, image_size=240)
     build_index(Embedder.from_checkpoint(ckpt, device="cpu"), photos, out / "index", ckpt)
     return out / "index"
 
@@ -140,47 +145,33 @@ def wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 180) -> Non
     raise RuntimeError(f"service not healthy after {timeout:.0f}s")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--index", type=Path, default=None)
-    p.add_argument("--data", type=Path, default=DATA)
-    p.add_argument("--work", type=Path, default=REPO / "runs" / "bench")
-    p.add_argument("--classes", type=int, default=None, help="gallery classes (default all)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
-    p.add_argument("--dims", type=int, default=None, help="default: all stored dims")
-    p.add_argument("--k", type=int, default=10)
-    p.add_argument("--threads", type=int, default=1, help="server torch threads per forward")
-    p.add_argument("--slots", type=int, default=2, help="server concurrent forwards")
-    p.add_argument("--batch", type=int, default=8, help="sketches per /retrieve/batch request")
-    args = p.parse_args(argv)
-
-    index = args.index or prepare_index(args.work, args.data, args.classes)
-    bodies = sketches(args.data)
+def run_server(index: Path, encoder: str, args, bodies: list[bytes]) -> dict:
+    """Start the service with `encoder`, load it at each concurrency; the rows it prints."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
            "SKETCHSVD_THREADS": str(args.threads), "SKETCHSVD_INFERENCE_SLOTS": str(args.slots),
-           "SKETCHSVD_MAX_K": str(max(100, args.k))}
+           "SKETCHSVD_MAX_K": str(max(100, args.k)), "SKETCHSVD_ENCODER": encoder}
     server = subprocess.Popen(
         [sys.executable, "-m", "service", "--index", str(index), "--port", str(port),
          "--log-level", "warning"], cwd=REPO, env=env)
+    rows: dict = {"errors": 0, "load": {}}
     try:
         wait_healthy(base, server)
         info = httpx.get(base + "/info").json()
         dims = args.dims or info["available_dims"]["max"]
-        print(f"index {index}: {info['gallery_size']} photos, {info['backbone']}, L={info['L']}, "
-              f"dims={dims}, k={args.k}, {os.cpu_count()} CPUs, server threads={args.threads} "
-              f"slots={args.slots}")
+        print(f"\n[{info['encoder']}] index {index}: {info['gallery_size']} photos, "
+              f"{info['backbone']}, L={info['L']}, dims={dims}, k={args.k}, "
+              f"{os.cpu_count()} CPUs, server threads={args.threads} slots={args.slots}")
         asyncio.run(load(base, bodies, 2, 8, dims, args.k))  # warm-up
         print(f"{'conc':>4} {'reqs':>5} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7} {'errors':>6}")
-        total_errors = 0
         for c in args.concurrency:
             res = asyncio.run(load(base, bodies, c, args.requests, dims, args.k))
             lat = np.array(res["latencies"])
-            total_errors += len(res["errors"])
-            print(f"{c:>4} {args.requests:>5} {np.percentile(lat, 50):>8.1f} "
-                  f"{np.percentile(lat, 99):>8.1f} {args.requests / res['wall']:>7.1f} "
+            row = (np.percentile(lat, 50), np.percentile(lat, 99), args.requests / res["wall"])
+            rows["load"][c] = row
+            rows["errors"] += len(res["errors"])
+            print(f"{c:>4} {args.requests:>5} {row[0]:>8.1f} {row[1]:>8.1f} {row[2]:>7.1f} "
                   f"{len(res['errors']):>6}")
             for e in res["errors"][:3]:
                 print(f"     error: {e}")
@@ -194,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.batch:
             n = max(1, args.requests // args.batch)
             res = asyncio.run(load(base, bodies, 1, n, dims, args.k, batch=args.batch))
-            total_errors += len(res["errors"])
+            rows["errors"] += len(res["errors"])
             print(f"batch form, {args.batch} sketches per request, concurrency 1: "
                   f"{n * args.batch / res['wall']:.1f} sketches/s, p50 "
                   f"{np.percentile(res['latencies'], 50):.1f} ms per request, "
@@ -202,7 +193,36 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.terminate()
         server.wait(timeout=30)
-    return 1 if total_errors else 0
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--index", type=Path, default=None)
+    p.add_argument("--data", type=Path, default=DATA)
+    p.add_argument("--work", type=Path, default=REPO / "runs" / "bench")
+    p.add_argument("--classes", type=int, default=None, help="gallery classes (default all)")
+    p.add_argument("--encoders", nargs="+", choices=ENCODERS, default=list(ENCODERS))
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
+    p.add_argument("--dims", type=int, default=None, help="default: all stored dims")
+    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1, help="server threads per forward")
+    p.add_argument("--slots", type=int, default=2, help="server concurrent forwards")
+    p.add_argument("--batch", type=int, default=8, help="sketches per /retrieve/batch request")
+    args = p.parse_args(argv)
+
+    index = args.index or prepare_index(args.work, args.data, args.classes)
+    bodies = sketches(args.data)
+    results = {enc: run_server(index, enc, args, bodies) for enc in args.encoders}
+    if len(results) == 2:
+        (a, ra), (b, rb) = results.items()
+        print(f"\n{b} vs {a}, same run:")
+        for c in args.concurrency:
+            (pa50, pa99, qa), (pb50, pb99, qb) = ra["load"][c], rb["load"][c]
+            print(f"  concurrency {c:>2}: req/s x{qb / qa:.2f}, p50 {pa50:.1f} -> {pb50:.1f} ms, "
+                  f"p99 {pa99:.1f} -> {pb99:.1f} ms")
+    return 1 if any(r["errors"] for r in results.values()) else 0
 
 
 if __name__ == "__main__":

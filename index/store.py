@@ -3,6 +3,7 @@
     OUT/CURRENT              the name of the current version (one line)
     OUT/v-<UTC time>-<hex>/  index.faiss, meta.jsonl and the index.json sidecar
     OUT/.lock                held (flock) by the one process writing OUT
+    OUT/encoders/            the query encoder exported per checkpoint (training.cdk.export)
 
 A writer stages a version in OUT/.tmp-<hex>/, fsyncs its files and the folder, renames it to
 OUT/v-.../, then replaces CURRENT (temp file, fsync, rename, fsync OUT). Readers follow
@@ -46,6 +47,7 @@ META_FILE = "meta.jsonl"
 METRIC = "inner_product"
 POINTER_FILE = "CURRENT"
 LOCK_FILE = ".lock"
+ENCODERS_DIR = "encoders"  # training.cdk.export.encoder_path puts exported encoders here
 VERSION_NAME = re.compile(r"^v-\d{8}T\d{6}Z-[0-9a-f]{12}$")
 STAGE_NAME = re.compile(r"^\.tmp-[0-9a-f]{32}$")
 POINTER_TEMP_NAME = re.compile(r"^\.CURRENT\.tmp-[0-9a-f]{32}$")
@@ -149,8 +151,9 @@ class GalleryIndex:
 
 
 def _is_ours(name: str) -> bool:
-    return (name in (*FLAT_FILES, POINTER_FILE, LOCK_FILE) or bool(VERSION_NAME.match(name))
-            or bool(STAGE_NAME.match(name)) or bool(POINTER_TEMP_NAME.match(name)))
+    return (name in (*FLAT_FILES, POINTER_FILE, LOCK_FILE, ENCODERS_DIR)
+            or bool(VERSION_NAME.match(name)) or bool(STAGE_NAME.match(name))
+            or bool(POINTER_TEMP_NAME.match(name)))
 
 
 def check_replaceable(out: Path) -> None:

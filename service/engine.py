@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from index.store import GalleryIndex, IndexCorruptError, load_index, read_sideca
 from index.threads import set_threads
 from service.settings import Settings
 from training.cdk.embedder import Embedder
+from training.cdk.export import EncoderMismatchError, load_or_export
 from training.images import decode_image
 
 log = logging.getLogger(__name__)
@@ -52,22 +53,43 @@ class Timings:
 
     decode: float = 0.0
     preprocess: float = 0.0
-    backbone: float = 0.0
-    head: float = 0.0
+    encode: float = 0.0  # backbone and head (one graph in ONNX Runtime)
     search: float = 0.0
 
-    STAGES = ("decode", "preprocess", "backbone", "head", "search")
+    STAGES = ("decode", "preprocess", "encode", "search")
 
     def header(self) -> str:
         """A `Server-Timing` header value (milliseconds)."""
         return ", ".join(f"{s};dur={1000 * getattr(self, s):.2f}" for s in self.STAGES)
 
 
+class Encoder(Protocol):
+    """(N, 3, S, S) normalised sketch images -> (N, L) float32 embeddings; callable from
+    several threads at once."""
+
+    name: str
+
+    def __call__(self, batch: torch.Tensor) -> np.ndarray: ...
+
+
+class TorchEncoder:
+    """The sketch side of `embedder` in PyTorch, on its device."""
+
+    name = "torch"
+
+    def __init__(self, embedder: Embedder):
+        self.embedder = embedder
+
+    def __call__(self, batch: torch.Tensor) -> np.ndarray:
+        with torch.inference_mode():
+            return self.embedder.encode(batch, "sketch").float().cpu().numpy()
+
+
 class RetrievalEngine:
     def __init__(self, embedder: Embedder, gallery: GalleryIndex, max_pixels: int,
                  photos_root: Path | None = None, checkpoint: Path | None = None,
                  inference_slots: int = 2, decode_side: int | None = None,
-                 embed_batch: int = 16):
+                 embed_batch: int = 16, encoder: Encoder | None = None):
         if embedder.L != gallery.sidecar.L:
             raise IndexCorruptError(
                 f"checkpoint has L={embedder.L} but the index was built with L={gallery.sidecar.L}"
@@ -81,6 +103,9 @@ class RetrievalEngine:
         # shrunk); the model resizes them to its input size anyway.
         self.decode_side = decode_side
         self.embed_batch = embed_batch
+        # Sketches are embedded by `encoder` (ONNX Runtime on the CPU, see pick_encoder);
+        # the photo side is never run here: photos are embedded by index.build.
+        self.encoder = encoder or TorchEncoder(embedder)
         self._slots = threading.BoundedSemaphore(inference_slots)
 
     @property
@@ -100,19 +125,15 @@ class RetrievalEngine:
                                for i in range(0, len(images), self.embed_batch)])
 
     def _embed_chunk(self, images: list, dims: int, timings: Timings) -> np.ndarray:
+        t0 = time.perf_counter()
         with torch.inference_mode():
-            t0 = time.perf_counter()
             batch = self.embedder.preprocess(images, "sketch")  # (N, 3, H, W)
-            t1 = time.perf_counter()
-            feats = self.embedder.backbone_features(batch, "sketch")  # (N, D)
-            t2 = time.perf_counter()
-            emb = self.embedder.head(feats, "sketch")[:, :dims]  # (N, dims)
-            out = emb.float().cpu().numpy()
-            t3 = time.perf_counter()
+        t1 = time.perf_counter()
+        out = self.encoder(batch)[:, :dims]  # (N, dims)
+        t2 = time.perf_counter()
         timings.preprocess += t1 - t0
-        timings.backbone += t2 - t1
-        timings.head += t3 - t2
-        return out
+        timings.encode += t2 - t1
+        return np.ascontiguousarray(out, dtype=np.float32)
 
     def decode(self, name: str, upload: bytes | BinaryIO) -> Image.Image:
         """One upload (bytes, or a file read here) -> RGB image, shrunk to `decode_side`."""
@@ -216,6 +237,29 @@ def find_checkpoint(settings: Settings) -> Path:
     )
 
 
+def pick_encoder(settings: Settings, embedder: Embedder) -> Encoder:
+    """The sketch encoder the settings ask for. auto: ONNX Runtime when the model runs on
+    the CPU (exported once per checkpoint and cached under the index folder), else
+    PyTorch; PyTorch also when the export or ONNX Runtime is unavailable (with a warning).
+    An exported file of another checkpoint is always an error (EncoderMismatchError)."""
+    on_cpu = embedder.device.type == "cpu"
+    if settings.encoder == "torch" or (settings.encoder == "auto" and not on_cpu):
+        return TorchEncoder(embedder)
+    if not on_cpu:
+        raise ValueError(f"encoder=onnx runs on the CPU, but the model is on {embedder.device};"
+                         " set --device cpu, or encoder auto or torch")
+    try:
+        return load_or_export(embedder, settings.index, threads=settings.threads)
+    except EncoderMismatchError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure of the optional fast path
+        if settings.encoder == "onnx":
+            raise
+        log.warning("serving sketches with PyTorch: the ONNX encoder is unavailable (%s: %s)",
+                    type(err).__name__, err)
+        return TorchEncoder(embedder)
+
+
 def load_engine(settings: Settings) -> RetrievalEngine:
     """Load the model and the index once (at startup), checking they belong together."""
     set_threads(settings.threads)
@@ -227,9 +271,11 @@ def load_engine(settings: Settings) -> RetrievalEngine:
         # search from several threads: one search at a time.
         gallery.index = SerializedIndex(to_gpu(gallery.index))
         log.info("index moved to GPU")
-    log.info("loaded %s (L=%d, %s) and index %s (%d photos, %d dims, %s)", checkpoint,
-             embedder.L, embedder.backbone, settings.index, len(gallery), gallery.dims,
-             gallery.sidecar.kind)
+    encoder = pick_encoder(settings, embedder)
+    log.info("loaded %s (L=%d, %s, sketches by %s) and index %s (%d photos, %d dims, %s)",
+             checkpoint, embedder.L, embedder.backbone, encoder.name, settings.index,
+             len(gallery), gallery.dims, gallery.sidecar.kind)
     return RetrievalEngine(embedder, gallery, settings.max_pixels, settings.photos_dir,
                            checkpoint, settings.inference_slots,
-                           decode_side=2 * embedder.image_size, embed_batch=settings.embed_batch)
+                           decode_side=2 * embedder.image_size, embed_batch=settings.embed_batch,
+                           encoder=encoder)

@@ -75,6 +75,7 @@ class InfoOut(BaseModel):
     model: str
     checkpoint_sha256: str
     backbone: str
+    encoder: str  # what embeds query sketches: onnxruntime or torch
     L: int
     available_dims: DimsRange
     gallery_size: int

@@ -27,6 +27,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     device: str | None = Field(default=None, description="None: CUDA when present, else CPU")
+    encoder: Literal["auto", "onnx", "torch"] = Field(
+        default="auto", description="sketch encoder. auto: ONNX Runtime on the CPU (exported "
+        "once per checkpoint, cached in the index folder), PyTorch on CUDA")
     threads: int = Field(default=1, ge=1, description="torch/FAISS threads per inference")
     inference_slots: int = Field(default=2, ge=1, description="concurrent decodes + forwards")
     embed_batch: int = Field(default=4, ge=1, description="sketches per forward; bounds the "

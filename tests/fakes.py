@@ -37,6 +37,9 @@ class FakeEmbedder:
     def head(self, features: torch.Tensor, modality: str) -> torch.Tensor:
         return features @ self._proj[modality]  # (N, L)
 
+    def encode(self, batch: torch.Tensor, modality: str) -> torch.Tensor:
+        return self.head(self.backbone_features(batch, modality), modality)
+
     def embed(self, images: list[Image.Image], modality: str, batch_size: int = 64) -> np.ndarray:
         if modality not in ("sketch", "photo"):
             raise ValueError(f"modality {modality!r}")

@@ -50,6 +50,11 @@ def atomic_save(obj, path: str | Path) -> Path:
     return _atomic(path, "wb", lambda fh: torch.save(obj, fh))
 
 
+def atomic_write_bytes(data: bytes, path: str | Path) -> Path:
+    """Write ``data`` to ``path`` atomically."""
+    return _atomic(path, "wb", lambda fh: fh.write(data))
+
+
 def atomic_write_text(text: str, path: str | Path) -> Path:
     """Write ``text`` to ``path`` atomically."""
     return _atomic(path, "w", lambda fh: fh.write(text))

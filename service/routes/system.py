@@ -25,6 +25,7 @@ def info(engine: EngineDep, settings: SettingsDep) -> InfoOut:
         model=str(model),
         checkpoint_sha256=side.checkpoint_sha256,
         backbone=engine.embedder.backbone,
+        encoder=engine.encoder.name,
         L=engine.embedder.L,
         available_dims=DimsRange(min=1, max=engine.dims),
         gallery_size=len(engine.gallery),

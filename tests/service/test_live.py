@@ -19,6 +19,7 @@ def test_real_server_answers_over_http(live_server, small_sketches):
         assert http.get("/health").json() == {"status": "ok"}
         info = http.get("/info").json()
         assert (info["L"], info["backbone"], info["gallery_size"]) == (8, "efficientnet-lite0", 15)
+        assert info["encoder"] == "onnxruntime"  # the CPU default
         r = http.post("/retrieve", params={"dims": 4, "k": 5},
                       files={"file": ("q.png", small_sketches[0], "image/png")})
         assert r.status_code == 200

@@ -49,7 +49,7 @@ def test_dependency_override_serves_another_engine(settings, engine):
 
 def test_info(client, engine):
     info = client.get("/info").json()
-    assert info["L"] == 8 and info["backbone"] == "fake-thumbnail"
+    assert info["L"] == 8 and info["backbone"] == "fake-thumbnail" and info["encoder"] == "torch"
     assert info["available_dims"] == {"min": 1, "max": 8}
     assert info["gallery_size"] == 15 and info["classes"] == 3
     assert info["index_kind"] == "flat" and info["metric"] == "inner_product"
@@ -79,7 +79,7 @@ def test_defaults_and_timing_header(client):
     r = post(client, sketch_png())
     assert (r.json()["dims"], r.json()["k"], len(r.json()["results"])) == (8, 5, 5)
     stages = [part.split(";")[0] for part in r.headers["server-timing"].split(", ")]
-    assert stages == ["decode", "preprocess", "backbone", "head", "search"]
+    assert stages == ["decode", "preprocess", "encode", "search"]
 
 
 def test_k_beyond_gallery_returns_all_photos(client):

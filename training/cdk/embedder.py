@@ -101,6 +101,15 @@ class Embedder:
         _check_modality(modality)
         return self._heads[modality](features.to(self.device).float())
 
+    def encode(self, batch: torch.Tensor, modality: str) -> torch.Tensor:
+        """(N, 3, H, W) normalised images -> (N, L) embedding: backbone, then head."""
+        return self.head(self.backbone_features(batch, modality), modality)
+
+    def modules(self, modality: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """The (backbone, head) modules of `modality`, e.g. for export (training.cdk.export)."""
+        _check_modality(modality)
+        return self._backbones[modality].module, self._heads[modality]
+
     def embed(self, images: list[Image.Image], modality: str, batch_size: int = 64) -> np.ndarray:
         """Images -> float32 array (N, L); coordinate i is the i-th learned singular function."""
         _check_modality(modality)
@@ -109,6 +118,6 @@ class Embedder:
         out = [np.zeros((0, self.L), dtype=np.float32)]
         for i in range(0, len(images), batch_size):
             x = self.preprocess(images[i : i + batch_size], modality)
-            z = self.head(self.backbone_features(x, modality), modality)
+            z = self.encode(x, modality)
             out.append(z.cpu().numpy().astype(np.float32))
         return np.concatenate(out, axis=0)

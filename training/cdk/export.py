@@ -1,0 +1,136 @@
+"""The sketch encoder (backbone + head) as one ONNX graph, run on the CPU by ONNX Runtime.
+
+A query's cost on the CPU is its backbone forward. PyTorch's eager CPU kernels for the
+EfficientNet-Lite blocks are 2-4x slower than ONNX Runtime's fused ones on the same
+thread count (benchmarks/service_bench.py --compare), so the service serves queries on the
+CPU through this graph, exported once from the checkpoint with `torch.onnx.export`
+(torch.export based) and cached as a file:
+
+    <index>/encoders/sketch-<first 16 hex of the checkpoint sha256>.onnx
+
+The file records the full checkpoint hash, the modality and L in its metadata; loading it
+for another checkpoint is an EncoderMismatchError that names both hashes. ONNX Runtime
+computes in float32 as PyTorch does (embeddings agree to ~1e-6; tests/service/test_encoder.py).
+OpenVINO's CPU plugin is as fast as ONNX Runtime in float32 and about 1.8x faster only in
+its default bf16 precision on CPUs that have it, which moves embeddings by ~3% of their
+scale and with them the rankings; it is not used.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from training.files import atomic_write_bytes
+
+__all__ = ["EncoderMismatchError", "OnnxEncoder", "encoder_path", "export_encoder",
+           "load_or_export"]
+
+log = logging.getLogger(__name__)
+
+FORMAT = "sketchsvd-encoder-1"  # bump when the graph's inputs, outputs or meaning change
+INPUT, OUTPUT = "images", "embedding"  # (N, 3, S, S) normalised images -> (N, L)
+MAX_BATCH = 1024  # the exported batch axis is dynamic up to this
+
+
+class EncoderMismatchError(ValueError):
+    """An exported encoder that does not belong to the checkpoint being served."""
+
+
+class _Encoder(nn.Module):
+    def __init__(self, backbone: nn.Module, head: nn.Module):
+        super().__init__()
+        self.backbone, self.head = backbone, head
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(images))  # (N, L)
+
+
+def export_encoder(embedder, modality: str = "sketch") -> bytes:
+    """The `modality` encoder of `embedder` (a training.cdk Embedder) as ONNX model bytes,
+    with the checkpoint hash, modality, L and image size in its metadata."""
+    modules = embedder.modules(modality)  # (backbone, head) on the embedder's device
+    model = _Encoder(*(copy.deepcopy(m).cpu().float() for m in modules)).eval()
+    size = embedder.image_size
+    example = torch.zeros(2, 3, size, size)
+    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    program = torch.onnx.export(model, (example,), input_names=[INPUT], output_names=[OUTPUT],
+                                dynamic_shapes=({0: batch},), dynamo=True, verbose=False)
+    program.model.metadata_props.update({
+        "format": FORMAT, "checkpoint_sha256": embedder.checkpoint_sha256,
+        "modality": modality, "L": str(embedder.L), "image_size": str(size),
+    })
+    return program.model_proto.SerializeToString()
+
+
+def encoder_path(index: str | Path, checkpoint_sha256: str, modality: str = "sketch") -> Path:
+    """Where the exported encoder of a checkpoint is cached for the index folder `index`."""
+    return Path(index) / "encoders" / f"{modality}-{checkpoint_sha256[:16]}.onnx"
+
+
+class OnnxEncoder:
+    """An exported encoder run by ONNX Runtime on the CPU: (N, 3, S, S) float32 images ->
+    (N, L) float32 embeddings. `__call__` may be called from several threads at once; each
+    call computes on `threads` threads."""
+
+    name = "onnxruntime"
+
+    def __init__(self, model: bytes | str | Path, checkpoint_sha256: str,
+                 modality: str = "sketch", threads: int = 1, source: str = "encoder"):
+        import onnxruntime as ort  # local: training and the torch path do not need it
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        data = model if isinstance(model, bytes) else Path(model).read_bytes()
+        try:
+            self.session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+        except Exception as err:  # noqa: BLE001 - ORT raises its own types; name the file
+            raise EncoderMismatchError(f"{source} is not a loadable ONNX model: {err}") from err
+        meta = self.session.get_modelmeta().custom_metadata_map
+        expected = {"format": FORMAT, "checkpoint_sha256": checkpoint_sha256,
+                    "modality": modality}
+        wrong = {k: meta.get(k) for k, v in expected.items() if meta.get(k) != v}
+        if wrong:
+            raise EncoderMismatchError(
+                f"{source} does not belong to this checkpoint: it has "
+                + ", ".join(f"{k}={v!r}" for k, v in wrong.items()) + "; expected "
+                + ", ".join(f"{k}={expected[k]!r}" for k in wrong)
+                + ". Delete the file to have it exported again from the checkpoint"
+            )
+        self.L = int(meta["L"])
+        self.image_size = int(meta["image_size"])
+        self.source = source
+
+    def __call__(self, images: np.ndarray | torch.Tensor) -> np.ndarray:
+        x = images.numpy(force=True) if isinstance(images, torch.Tensor) else images
+        return self.session.run([OUTPUT], {INPUT: np.ascontiguousarray(x, np.float32)})[0]
+
+
+def load_or_export(embedder, index: str | Path, threads: int = 1,
+                   modality: str = "sketch") -> OnnxEncoder:
+    """The cached encoder of `embedder`'s checkpoint for the index at `index`, exported and
+    saved there first when absent. A cached file for another checkpoint is refused
+    (EncoderMismatchError). An index folder that cannot be written (a read-only volume)
+    gets an encoder exported into memory, with a warning: nothing is lost but the start-up
+    time of the next start."""
+    path = encoder_path(index, embedder.checkpoint_sha256, modality)
+    sha = embedder.checkpoint_sha256
+    if path.is_file():
+        log.info("%s encoder from %s", modality, path)
+        return OnnxEncoder(path, sha, modality, threads, source=str(path))
+    log.info("exporting the %s encoder to ONNX (once per checkpoint)", modality)
+    data = export_encoder(embedder, modality)
+    try:
+        atomic_write_bytes(data, path)
+        log.info("saved %s (%.1f MB)", path, len(data) / 1e6)
+    except OSError as err:
+        log.warning("cannot save the exported encoder at %s (%s): using it from memory; "
+                    "the next start exports it again", path, err)
+    return OnnxEncoder(data, sha, modality, threads, source=f"exported {modality} encoder")
