@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from training.pde.networks import DisjointMLPs
+from training.pde.networks import DisjointMLPs, softplus
 
 
 def _reference(net, x, l):
@@ -103,3 +103,21 @@ def test_fd_stencil_equals_the_network_at_the_shifted_points(ndim):
     grads_ref = torch.autograd.grad(net(x).square().sum(), list(net.parameters()))
     for g, r in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(g, r)
+
+
+def test_softplus_equals_torch_with_first_and_second_derivatives():
+    a = torch.cat([torch.linspace(-40, 40, 801), torch.randn(1000) * 5]).double()
+    a.requires_grad_(True)
+    ref = F.softplus(a)
+    got = softplus(a.float()).double()
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
+    # first and second derivatives (the exact Laplacian differentiates twice), in float64
+    (g_ref,) = torch.autograd.grad(ref.sum(), a, create_graph=True)
+    out = softplus(a)
+    (g,) = torch.autograd.grad(out.sum(), a, create_graph=True)
+    torch.testing.assert_close(g, g_ref)
+    (h_ref,) = torch.autograd.grad(g_ref.sum(), a)
+    (h,) = torch.autograd.grad(g.sum(), a)
+    torch.testing.assert_close(h, h_ref)
+    # float64 agrees to rounding (F.softplus returns a itself past its threshold, 20)
+    torch.testing.assert_close(softplus(a), F.softplus(a, threshold=1e3), atol=1e-12, rtol=1e-12)
