@@ -2,6 +2,8 @@
 its cache, images checked up front, seeded augmentation independent of the worker count,
 head-only phase, resume, the Embedder on fine-tuned checkpoints, and the paper preset."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -17,9 +19,10 @@ from training.cdk.data import scan
 from training.cdk.embedder import Embedder
 from training.cdk.features import extract_features
 from training.cdk.finetune import STAGES, Split, StepImages
+from training.cdk.model import MODALITIES, Head
 from training.cdk.run import embed_features
 from training.cdk.train import TrainData
-from training.images import ImageError
+from training.images import ImageError, images_to_tensor, load_image
 
 SIZE = 32
 
@@ -155,6 +158,25 @@ def test_workers_and_chunks_do_not_change_the_result(dataset, lite0, tmp_path, m
     for m in ("sketch", "photo"):
         for k, v in r0.backbones[m].state_dict().items():
             torch.testing.assert_close(r2.backbones[m].state_dict()[k], v, rtol=0, atol=0)
+
+
+def test_spectrum_features_decoded_by_workers_equal_the_main_thread(dataset, lite0, tmp_path):
+    # the unaugmented features of the spectrum pass and the head phase come through a
+    # DataLoader (cfg.workers processes); they must be what decoding in place gives
+    data = _data(dataset, lite0)
+    splits = {m: Split(copy.deepcopy(lite0.module), lite0.name, 1) for m in MODALITIES}
+    heads = {m: Head(lite0.feature_dim, 16, 4, 16.0) for m in MODALITIES}
+    model = train_mod.PairModel(heads, {m: s.module for m, s in splits.items()}, splits).eval()
+    idx = [5, 0, 3]
+    for workers in (0, 2):
+        cfg = _cfg(tmp_path, trainable_stages=1, augment=True, workers=workers)
+        inputs = train_mod._Inputs(cfg, data, lite0, splits, torch.device("cpu"))
+        for mod, files in (("sketch", dataset.sketches), ("photo", dataset.photos)):
+            x = images_to_tensor([load_image(files[j]) for j in idx], SIZE, lite0.mean,
+                                 lite0.std)
+            with torch.no_grad():
+                ref = splits[mod].tail(splits[mod].trunk(x))
+            torch.testing.assert_close(inputs.features(model, mod, idx), ref, rtol=0, atol=0)
 
 
 def test_trunk_cache_equals_trunk_at_every_step(dataset, lite0, tmp_path, monkeypatch):

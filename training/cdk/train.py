@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from training.device import pick_device
-from training.images import images_to_tensor, load_image
 
 from ..loss import cdk_loss, nesting_masks, singular_values
 from .backbones import Backbone
@@ -99,6 +99,8 @@ class _Inputs:
         self.files = {"sketch": list(data.sketch_files), "photo": list(data.photo_files)}
         self.images = StepImages(data.sketch_files, data.photo_files, cfg.image_size,
                                  backbone.mean, backbone.std, cfg.augment, cfg.seed)
+        self.plain = StepImages(data.sketch_files, data.photo_files, cfg.image_size,
+                                backbone.mean, backbone.std, False, cfg.seed)
         self.cache = None
         if cfg.trainable_stages > 0 and not cfg.augment:
             # the trunks of both modalities hold the same frozen weights: one cache each
@@ -133,16 +135,19 @@ class _Inputs:
         files = self.files[modality]
         idx = list(range(len(files))) if idx is None else list(idx)
         split, out = self.splits[modality], []
-        for i in range(0, len(idx), 64):
-            chunk = idx[i : i + 64]
+        chunks = [idx[i : i + 64] for i in range(0, len(idx), 64)]
+        images = None
+        if self.cache is None:
+            # decoded by the loader's workers, unaugmented: the same tensors as decoding here
+            mod = MODALITIES.index(modality)
+            images = iter(DataLoader(self.plain, num_workers=self.cfg.workers,
+                                     batch_sampler=[[(mod, j, 0) for j in c] for c in chunks]))
+        for chunk in chunks:
             with self._autocast():
-                if self.cache is not None:
+                if images is None:
                     x = self.cache[modality][chunk].to(self.device)
                 else:
-                    ims = [load_image(files[j]) for j in chunk]
-                    x = split.trunk(images_to_tensor(ims, self.cfg.image_size,
-                                                     self.images.mean,
-                                                     self.images.std).to(self.device))
+                    x = split.trunk(next(images).to(self.device))
                 out.append(split.tail(x).float())
         return torch.cat(out)
 
