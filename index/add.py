@@ -7,6 +7,8 @@ file is an error. The checkpoint defaults to the one recorded in the sidecar and
 the same hash. New photos must live below the index's photo root (the sidecar's
 `photos_root`): meta paths are relative to it, and the service serves nothing outside it.
 The new version replaces the current one atomically, under the index's writer lock.
+New photos whose frozen-backbone features training cached are reused as by `index.build`
+(`--feature-cache`, `--workers`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from index.gallery import embed_photos, scan_gallery
+from index.gallery import cached_features, embed_photos, feature_cache_dir, scan_gallery
 from index.store import IndexWriter, Sidecar, load_index, now_utc, read_sidecar
 from index.threads import set_threads
 from training import cli
@@ -33,6 +35,7 @@ class AppendReport:
     sidecar: Sidecar
     added: int
     skipped: int
+    from_cache: int = 0  # added photos whose backbone features came from the feature cache
 
 
 def append_photos(
@@ -41,8 +44,11 @@ def append_photos(
     photos: str | Path,
     batch_size: int = 32,
     progress: bool = True,
+    feature_cache: str | Path | None = None,
+    workers: int = 0,
 ) -> AppendReport:
-    """Embed the photos of `photos` not yet in the index and add them to it.
+    """Embed the photos of `photos` not yet in the index and add them to it (`feature_cache`
+    and `workers` as in `index.build.build_index`).
 
     Holds the index's writer lock from reading the current version to writing the new one,
     so two appends never both start from the same version (one would drop the other's
@@ -74,21 +80,24 @@ def append_photos(
                     f"cannot add {str(root / p.path)!r} under the same id"
                 )
             skipped += 1
+        cached = cached_features(embedder, old_root, new, feature_cache if new else None)
         if new:
-            vectors = embed_photos(embedder, old_root, new, current.dims, batch_size, progress)
+            vectors = embed_photos(embedder, old_root, new, current.dims, batch_size, progress,
+                                   cached, workers)
             current.index.add(vectors)
         sidecar = dataclasses.replace(
             current.sidecar, count=current.index.ntotal, created=now_utc()
         )
         out = writer.commit(current.index, sidecar, [*current.photos, *new])
     log.info("appended %d photos (%d already indexed) to %s", len(new), skipped, out)
-    return AppendReport(out, sidecar, len(new), skipped)
+    return AppendReport(out, sidecar, len(new), skipped, len(cached[0]))
 
 
 def print_append(report: AppendReport) -> None:
     s = report.sidecar
     print(f"index: {report.out}")
-    print(f"  added {report.added} photos, skipped {report.skipped} already indexed")
+    print(f"  added {report.added} photos ({report.from_cache} from the feature cache), "
+          f"skipped {report.skipped} already indexed")
     print(f"  now {s.count} photos, kind={s.kind}, dims={s.dims} of L={s.L}")
 
 
@@ -100,6 +109,8 @@ class AddConfig:
     batch_size: int = 32
     device: str | None = None
     threads: int = 2
+    feature_cache: str | None = None  # training's feature cache; None: the checkpoint's; "none"
+    workers: int = 1  # DataLoader processes decoding photos; 0: the main one
     progress: bool = True
 
 
@@ -119,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     set_threads(cfg.threads)
     checkpoint = cfg.checkpoint or read_sidecar(cfg.index).checkpoint
     embedder = Embedder.from_checkpoint(checkpoint, device=cfg.device)
-    print_append(append_photos(embedder, cfg.index, cfg.photos, cfg.batch_size, cfg.progress))
+    print_append(append_photos(embedder, cfg.index, cfg.photos, cfg.batch_size, cfg.progress,
+                               feature_cache_dir(cfg.feature_cache, embedder), cfg.workers))
     return 0
 
 

@@ -7,6 +7,13 @@ Embeds every photo with the checkpoint's photo side, keeps the top `--dims` mode
 all L) and writes an exact inner-product index, or an approximate one for large galleries
 (`--kind`, or chosen by size) with its recall against exact search printed. `--device`
 defaults to CUDA when present; `--append` adds the new photos to the index at `--out`.
+`--engine ray`, a compressed `--kind` (ivfsq8, ivfpq, opq) or `--max-index-memory` build
+through resumable embedding shards instead (`index.sharded`).
+
+Photos whose frozen-backbone features training cached (`--feature-cache`, by default the
+checkpoint's `cache_dir`; `none` turns reuse off) only go through the photo head; a
+fine-tuned checkpoint embeds every photo with its own backbone. The other photos are decoded
+by `--workers` DataLoader processes (0: this one).
 """
 
 from __future__ import annotations
@@ -17,9 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from index.add import append_photos, print_append
-from index.gallery import embed_photos, scan_gallery
+from index.compressed import COMPRESSED_KINDS
+from index.gallery import cached_features, embed_photos, feature_cache_dir, scan_gallery
 from index.kinds import KINDS, choose_kind
 from index.search import recall_at_k
+from index.sharded import ENGINES, build_sharded, print_report
 from index.store import (
     FORMAT_VERSION,
     METRIC,
@@ -48,7 +57,17 @@ class BuildConfig:
     device: str | None = None  # torch device; None: CUDA when present, else CPU
     threads: int = 2  # CPU threads of torch and FAISS
     append: bool = False  # add new photos to the index at --out instead of rebuilding
+    feature_cache: str | None = None  # training's feature cache; None: the checkpoint's; "none"
+    workers: int = 1  # DataLoader processes decoding photos; 0: the main one
     progress: bool = True
+    # Sharded builds (index.sharded): taken when --engine ray, a compressed --kind or
+    # --max-index-memory is given.
+    engine: str = "local"  # local | ray: where photos are embedded into OUT/shards
+    address: str | None = None  # Ray cluster address; None: a local Ray on --threads CPUs
+    ray_actors: int = 0  # Ray actors holding the embedder; 0: one per GPU, else one per CPU
+    shard_size: int = 10_000  # photos per embedding shard
+    max_index_memory: str | None = None  # e.g. 3G: auto picks the most exact kind that fits
+    nprobe: int = 0  # cells probed per query by the compressed kinds; 0: 64
 
 
 @dataclass(frozen=True)
@@ -57,6 +76,7 @@ class BuildReport:
     sidecar: Sidecar
     recall: dict[int, float]  # d -> recall@k against exact search (approximate kinds only)
     seconds: float
+    from_cache: int = 0  # photos whose backbone features came from the feature cache
 
 
 def prefix_dims(stored: int) -> list[int]:
@@ -75,9 +95,13 @@ def build_index(
     batch_size: int = 32,
     recall_k: int = 10,
     progress: bool = True,
+    feature_cache: str | Path | None = None,
+    workers: int = 0,
 ) -> BuildReport:
     """Embed the gallery `photos` and write an index folder at `out` (the new version
-    replaces the current one atomically; another writer of `out` is an IndexLockedError)."""
+    replaces the current one atomically; another writer of `out` is an IndexLockedError).
+    `feature_cache`: training's feature cache folder to reuse photo features from (None:
+    none); `workers`: DataLoader processes decoding the other photos (0: this one)."""
     start = time.perf_counter()
     dims = embedder.L if dims is None else dims
     if not 1 <= dims <= embedder.L:
@@ -86,7 +110,9 @@ def build_index(
     root, gallery = scan_gallery(photos)
     with IndexWriter(out) as writer:  # held while embedding: a second writer fails at once
         kind = choose_kind(len(gallery), kind)
-        vectors = embed_photos(embedder, root, gallery, dims, batch_size, progress)  # (N, dims)
+        cached = cached_features(embedder, root, gallery, feature_cache)
+        vectors = embed_photos(embedder, root, gallery, dims, batch_size, progress, cached,
+                               workers)  # (N, dims)
         index = KINDS[kind](vectors)
         recall = {}
         if kind != "flat":
@@ -106,7 +132,7 @@ def build_index(
             photos_root=str(root),
         )
         path = writer.commit(index, sidecar, gallery)
-    return BuildReport(path, sidecar, recall, time.perf_counter() - start)
+    return BuildReport(path, sidecar, recall, time.perf_counter() - start, len(cached[0]))
 
 
 def parse_args(argv: list[str] | None = None) -> BuildConfig:
@@ -116,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> BuildConfig:
         BuildConfig,
         prog="python -m index.build",
         description=__doc__,
-        choices={"kind": ["auto", *KINDS]},
+        choices={"kind": ["auto", *KINDS, *COMPRESSED_KINDS], "engine": list(ENGINES)},
         required=("checkpoint", "photos", "out"),
     )
     return cli.parse(parser, BuildConfig, argv)
@@ -128,16 +154,29 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     set_threads(cfg.threads)
     embedder = Embedder.from_checkpoint(cfg.checkpoint, device=cfg.device)
+    cache = feature_cache_dir(cfg.feature_cache, embedder)
     if cfg.append:
-        print_append(append_photos(embedder, cfg.out, cfg.photos, cfg.batch_size, cfg.progress))
+        print_append(append_photos(embedder, cfg.out, cfg.photos, cfg.batch_size, cfg.progress,
+                                   cache, cfg.workers))
+        return 0
+    if cfg.engine != "local" or cfg.kind in COMPRESSED_KINDS or cfg.max_index_memory:
+        print_report(build_sharded(
+            embedder, cfg.photos, cfg.out, cfg.checkpoint, dims=cfg.dims, kind=cfg.kind,
+            batch_size=cfg.batch_size, recall_k=cfg.recall_k, progress=cfg.progress,
+            engine=cfg.engine, address=cfg.address, ray_actors=cfg.ray_actors,
+            ray_cpus=cfg.threads, shard_size=cfg.shard_size,
+            max_index_memory=cfg.max_index_memory, nprobe=cfg.nprobe, device=cfg.device,
+        ), cfg.recall_k)
         return 0
     report = build_index(
         embedder, cfg.photos, cfg.out, cfg.checkpoint, cfg.dims, cfg.kind, cfg.batch_size,
-        cfg.recall_k, cfg.progress,
+        cfg.recall_k, cfg.progress, cache, cfg.workers,
     )
     s = report.sidecar
     print(f"index: {report.out}")
     print(f"  {s.count} photos, kind={s.kind}, dims={s.dims} of L={s.L}, backbone={s.backbone}")
+    print(f"  backbone features of {report.from_cache} of {s.count} photos from the feature "
+          f"cache {cache}" if cache else "  feature cache: not used")
     print(f"  checkpoint sha256 {s.checkpoint_sha256[:16]}..., built in {report.seconds:.1f}s")
     for d, r in report.recall.items():
         print(f"  recall@{cfg.recall_k} vs exact at d={d}: {r:.4f}")

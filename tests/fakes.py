@@ -27,9 +27,10 @@ class FakeEmbedder:
         }
 
     def preprocess(self, images: list[Image.Image], modality: str) -> torch.Tensor:
-        arrays = [np.asarray(im.convert("RGB").resize((8, 8)), dtype=np.float32) / 255.0
-                  for im in images]
-        return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)  # (N, 3, 8, 8)
+        return thumbnails(images)
+
+    def transform(self):
+        return thumbnails
 
     def backbone_features(self, batch: torch.Tensor, modality: str) -> torch.Tensor:
         return batch.mean(dim=1).flatten(1) - 0.5  # (N, 64)
@@ -48,6 +49,13 @@ class FakeEmbedder:
             x = self.preprocess(images[i : i + batch_size], modality)
             out.append(self.head(self.backbone_features(x, modality), modality).numpy())
         return np.concatenate(out).astype(np.float32)
+
+
+def thumbnails(images: list[Image.Image]) -> torch.Tensor:
+    """FakeEmbedder's preprocessing: (N, 3, 8, 8) floats in [0, 1]."""
+    arrays = [np.asarray(im.convert("RGB").resize((8, 8)), dtype=np.float32) / 255.0
+              for im in images]
+    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)
 
 
 def make_gallery(root, classes=3, per_class=5, size=32, seed=0):

@@ -17,9 +17,10 @@ def test_build_flags():
     assert build_args(REQUIRED) == BuildConfig(checkpoint="ck.pt", photos="p", out="o")
     cfg = build_args([*REQUIRED, "--dims", "8", "--kind", "ivf", "--batch-size", "4",
                       "--recall-k", "5", "--device", "cpu", "--threads", "1", "--append",
-                      "--no-progress"])
+                      "--no-progress", "--feature-cache", "none", "--workers", "0"])
     assert (cfg.dims, cfg.kind, cfg.batch_size, cfg.recall_k, cfg.device, cfg.threads) == \
         (8, "ivf", 4, 5, "cpu", 1)
+    assert (cfg.feature_cache, cfg.workers) == ("none", 0)
     assert cfg.append is True and cfg.progress is False
     assert build_args([*REQUIRED, "--append", "false", "--progress", "no"]).append is False
 
@@ -27,8 +28,9 @@ def test_build_flags():
 def test_add_flags():
     assert add_args(["--index", "i", "--photos", "p"]) == AddConfig(index="i", photos="p")
     cfg = add_args(["--index", "i", "--photos", "p", "--checkpoint", "c", "--batch-size", "2",
-                    "--no-progress"])
+                    "--no-progress", "--feature-cache", "cache", "--workers", "3"])
     assert (cfg.checkpoint, cfg.batch_size, cfg.progress) == ("c", 2, False)
+    assert (cfg.feature_cache, cfg.workers) == ("cache", 3)
 
 
 @pytest.mark.parametrize("argv,message", [

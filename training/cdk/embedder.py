@@ -8,6 +8,9 @@ in a flat inner-product index therefore gives exactly the d-prefix search.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +43,7 @@ class Embedder:
     """Sketch/photo embedder rebuilt from a checkpoint alone.
 
     Attributes: L, backbone (name), singular_values (L,), config (dict), checkpoint_sha256,
-    device, image_size, trained.
+    device, image_size, trained, finetuned (the backbones were trained with the heads).
     """
 
     def __init__(self, ckpt: dict, sha256: str, device=None, source: str = "checkpoint"):
@@ -52,6 +55,7 @@ class Embedder:
         self.config: dict = dict(ckpt["config"])
         self.checkpoint_sha256: str = sha256
         self.trained: bool = bool(ckpt["trained"])
+        self.finetuned: bool = bool(meta.get("finetuned")) or bool(self.config.get("finetune"))
         self.singular_values: torch.Tensor = ckpt["singular_values"].float().cpu()
         arch = ckpt["head_arch"]
         self.L: int = int(arch["L"])
@@ -86,6 +90,18 @@ class Embedder:
         _check_modality(modality)
         x = images_to_tensor(images, self.image_size, self._mean, self._std)
         return x.to(self.device)
+
+    def transform(self) -> Callable[[list[Image.Image]], torch.Tensor]:
+        """preprocess on the CPU as a picklable function (for DataLoader workers): PIL images
+        -> (N, 3, H, W) float32."""
+        return functools.partial(images_to_tensor, size=self.image_size, mean=self._mean,
+                                 std=self._std)
+
+    def backbone_of(self, modality: str) -> Backbone:
+        """``modality``'s backbone (name, module, feature_dim) with the normalisation this
+        embedder applies, e.g. for training.cdk.features' cache keys."""
+        _check_modality(modality)
+        return dataclasses.replace(self._backbones[modality], mean=self._mean, std=self._std)
 
     @torch.no_grad()
     def backbone_features(self, batch: torch.Tensor, modality: str) -> torch.Tensor:

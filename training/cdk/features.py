@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,15 +23,19 @@ from training.images import images_to_tensor, load_image
 
 from .backbones import Backbone, weights_fingerprint
 
-__all__ = ["extract_features", "cache_key", "cached_tensor"]
+__all__ = ["extract_features", "cache_key", "cached_tensor", "find_cached"]
 
 log = logging.getLogger(__name__)
 _VERSION = 2  # bump when preprocessing changes (2: EXIF orientation, 16-bit scaling)
 
 
-def cache_key(files, backbone: Backbone, module: torch.nn.Module, image_size: int) -> str:
+def cache_key(files, backbone: Backbone, module: torch.nn.Module, image_size: int,
+              fingerprint: str | None = None) -> str:
+    """The key of ``files``' features: ``fingerprint`` is ``weights_fingerprint(module)``,
+    given when it is already known (find_cached checks many entries against one module)."""
     h = hashlib.sha256()
-    head = {"v": _VERSION, "name": backbone.name, "weights": weights_fingerprint(module),
+    weights = weights_fingerprint(module) if fingerprint is None else fingerprint
+    head = {"v": _VERSION, "name": backbone.name, "weights": weights,
             "size": image_size, "mean": backbone.mean, "std": backbone.std}
     h.update(json.dumps(head, sort_keys=True).encode())
     for f in files:
@@ -117,3 +122,54 @@ def extract_features(
         path = Path(cache_dir) / f"{backbone.name}-{image_size}-{key[:24]}.pt"
     return cached_tensor(path, key, files, (len(files),), 2, lambda: _compute(
         files, backbone, module, image_size, batch_size, device, desc))
+
+
+def find_cached(files, backbone: Backbone, module: torch.nn.Module, image_size: int,
+                cache_dir: str | Path) -> tuple[list[int], torch.Tensor]:
+    """The features of those ``files`` that entries of ``cache_dir`` written by
+    extract_features hold, whatever file lists the entries were written for (training
+    caches one list per split and modality): (positions in ``files`` (K,), features (K, D)).
+
+    An entry is used only when its key, recomputed with cache_key from its own stored file
+    list (today's sizes and mtimes) and ``module``'s weights, equals its stored key: an
+    entry of other weights, size or normalisation, or with any of its files changed, moved
+    or removed since it was written, gives nothing. Unreadable or unsound entries are
+    skipped with a warning. Tensors are memory mapped: only the rows used are read."""
+    want: dict[Path, list[int]] = {}
+    for i, f in enumerate(files):
+        want.setdefault(Path(f).resolve(), []).append(i)
+    found: dict[int, torch.Tensor] = {}
+    # the names extract_features gives its entries (not those of views or trunk caches)
+    name = re.compile(re.escape(f"{backbone.name}-{image_size}-") + r"[0-9a-f]{24}\.pt")
+    entries = sorted(p for p in Path(cache_dir).glob("*.pt") if name.fullmatch(p.name))
+    fingerprint = weights_fingerprint(module) if entries else ""
+    for path in entries:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            stored = [Path(f) for f in obj["files"]]
+            rows = {i: r for r, f in enumerate(stored) for i in want.get(f.resolve(), ())
+                    if i not in found}
+            if not rows:
+                continue
+            current = cache_key(stored, backbone, module, image_size, fingerprint)
+        except Exception as err:  # noqa: BLE001 - a cache is only a shortcut
+            log.warning("not using feature cache %s: %s: %s", path, type(err).__name__, err)
+            continue
+        feats = obj.get("features")
+        if obj.get("key") != current:
+            log.info("not using feature cache %s: other weights, or its files changed", path)
+        elif not (isinstance(feats, torch.Tensor) and feats.is_floating_point()
+                  and tuple(feats.shape) == (len(stored), backbone.feature_dim)):
+            log.warning("not using feature cache %s: it holds %s, not (%d, %d) floats", path,
+                        getattr(feats, "shape", type(feats).__name__), len(stored),
+                        backbone.feature_dim)
+        else:
+            rows_used = feats[list(rows.values())].float()  # (k, D)
+            if bool(torch.isfinite(rows_used).all()):
+                found.update(zip(rows, rows_used, strict=True))
+            else:
+                log.warning("not using feature cache %s: NaN or infinite values", path)
+    positions = sorted(found)
+    if not positions:
+        return [], torch.zeros(0, backbone.feature_dim)
+    return positions, torch.stack([found[i] for i in positions])
