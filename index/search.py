@@ -3,12 +3,14 @@ force, and the recall of an index against it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import faiss
 import numpy as np
 
 from index.gpu import gpu_available, to_gpu
 
-__all__ = ["pad_queries", "exact_topk", "recall_at_k"]
+__all__ = ["pad_queries", "exact_topk", "exact_topk_blocks", "recall_at_k"]
 
 
 def pad_queries(queries: np.ndarray, stored_dims: int) -> np.ndarray:
@@ -28,6 +30,26 @@ def exact_topk(vectors: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.nda
         index = to_gpu(index)
     index.add(vectors)
     return index.search(queries, min(k, len(vectors)))
+
+
+def exact_topk_blocks(
+    blocks: Iterable[tuple[int, np.ndarray]], queries: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exact inner-product top-k of `queries` (Q, d) over vectors given in blocks
+    (row offset, (n, d) array, e.g. memory-mapped shards), one block in memory at a time.
+
+    Returns (scores (Q, k'), rows (Q, k')), k' = min(k, rows seen), scores descending."""
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    best_s = np.full((len(queries), 0), -np.inf, dtype=np.float32)
+    best_i = np.zeros((len(queries), 0), dtype=np.int64)
+    for offset, block in blocks:
+        scores, ids = exact_topk(np.ascontiguousarray(block, dtype=np.float32), queries, k)
+        best_s = np.concatenate([best_s, scores], axis=1)
+        best_i = np.concatenate([best_i, ids + offset], axis=1)
+        order = np.argsort(-best_s, axis=1, kind="stable")[:, :k]
+        best_s = np.take_along_axis(best_s, order, 1)
+        best_i = np.take_along_axis(best_i, order, 1)
+    return best_s, best_i
 
 
 def recall_at_k(

@@ -4,6 +4,7 @@
     OUT/v-<UTC time>-<hex>/  index.faiss, meta.jsonl and the index.json sidecar
     OUT/.lock                held (flock) by the one process writing OUT
     OUT/encoders/            the query encoder exported per checkpoint (training.cdk.export)
+    OUT/shards/              embedding shards of sharded builds (index.shards), reused on reruns
 
 A writer stages a version in OUT/.tmp-<hex>/, fsyncs its files and the folder, renames it to
 OUT/v-.../, then replaces CURRENT (temp file, fsync, rename, fsync OUT). Readers follow
@@ -27,7 +28,7 @@ import os
 import re
 import shutil
 import uuid
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
@@ -48,10 +49,15 @@ METRIC = "inner_product"
 POINTER_FILE = "CURRENT"
 LOCK_FILE = ".lock"
 ENCODERS_DIR = "encoders"  # training.cdk.export.encoder_path puts exported encoders here
+SHARDS_DIR = "shards"  # index.shards keeps the embedding shards of sharded builds here
 VERSION_NAME = re.compile(r"^v-\d{8}T\d{6}Z-[0-9a-f]{12}$")
 STAGE_NAME = re.compile(r"^\.tmp-[0-9a-f]{32}$")
 POINTER_TEMP_NAME = re.compile(r"^\.CURRENT\.tmp-[0-9a-f]{32}$")
 FLAT_FILES = (INDEX_FILE, META_FILE, SIDECAR_FILE)  # the layout of earlier code, directly in OUT
+# How a server opens index.faiss: IO_FLAG_MMAP_IFC maps the vectors and codes of every kind
+# (flat, IVF, SQ, PQ) from the file, read only (FAISS 1.15's IO_FLAG_MMAP still copied a flat
+# index's vectors into memory). Such an index cannot be added to (append loads a copy).
+SERVE_IO_FLAGS = faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY
 
 
 class IndexStoreError(Exception):
@@ -89,6 +95,10 @@ class Sidecar:
     kind: str
     created: str
     photos_root: str  # meta paths are relative to this folder (or absolute)
+    # Optional (absent from sidecars of earlier code): the kind's parameters (cells, probes,
+    # code size) and the recall@k against exact search measured at build time.
+    params: dict = field(default_factory=dict)
+    recall: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -100,14 +110,15 @@ class Sidecar:
         except json.JSONDecodeError as err:
             raise IndexCorruptError(f"sidecar {source!r} is not valid JSON: {err}") from err
         names = {f.name for f in fields(cls)}
-        missing = names - raw.keys()
+        optional = {f.name for f in fields(cls) if f.default_factory is not MISSING}
+        missing = names - optional - raw.keys()
         if missing:
             raise IndexCorruptError(f"sidecar {source!r} lacks fields {sorted(missing)}")
         if raw["format"] != FORMAT_VERSION:
             raise IndexCorruptError(
                 f"sidecar {source!r} has format {raw['format']!r}; this code reads {FORMAT_VERSION}"
             )
-        return cls(**{k: raw[k] for k in names})
+        return cls(**{k: raw[k] for k in names if k in raw})
 
 
 def now_utc() -> str:
@@ -151,7 +162,7 @@ class GalleryIndex:
 
 
 def _is_ours(name: str) -> bool:
-    return (name in (*FLAT_FILES, POINTER_FILE, LOCK_FILE, ENCODERS_DIR)
+    return (name in (*FLAT_FILES, POINTER_FILE, LOCK_FILE, ENCODERS_DIR, SHARDS_DIR)
             or bool(VERSION_NAME.match(name)) or bool(STAGE_NAME.match(name))
             or bool(POINTER_TEMP_NAME.match(name)))
 
@@ -418,7 +429,7 @@ def _load_version(folder: Path, version: Path, checkpoint_sha256: str | None, mm
     for name in (INDEX_FILE, META_FILE):
         if not (version / name).is_file():
             raise IndexCorruptError(f"index {str(version)!r} is missing {name}")
-    flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if mmap else 0
+    flags = SERVE_IO_FLAGS if mmap else 0
     try:
         index = faiss.read_index(str(version / INDEX_FILE), flags)
     except RuntimeError as err:

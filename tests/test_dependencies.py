@@ -71,3 +71,12 @@ def test_installed_versions_satisfy_requirements():
         if not req.specifier.contains(have, prereleases=True):
             bad.append(f"{req}: {have} installed")
     assert not bad, bad
+
+
+def test_ray_extra_floor_and_dev_pulls_it():
+    """The Ray engine's extra leaves out the dashboard advisory, and dev installs the same
+    requirement so the Ray tests run wherever the tests run."""
+    extras = PROJECT["optional-dependencies"]
+    ray = requirements(extras["ray"])["ray"]
+    assert not ray.specifier.contains("2.53.0"), "CVE-2026-27482: ray < 2.54.0"
+    assert requirements(extras["dev"])["ray"] == ray

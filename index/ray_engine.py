@@ -1,0 +1,133 @@
+"""Photo embedding as Ray Data batch inference: actors that hold the embedder write shards.
+
+    python -m index.build ... --engine ray [--address ADDR] [--ray-actors N]
+
+Each unfinished shard of the plan (`index.shards`) is one row of a Ray dataset; a pool of
+actors, each loading the checkpoint once (one per GPU, else one per CPU slot), maps a row to
+its shard: decode and embed its photos exactly as the local engine does
+(`index.gallery.embed_photos`), then write the shard atomically. Ray Data restarts an actor
+whose worker died (killed, out of memory, its node lost) and runs its shard again (Ray Data's
+defaults: no limit on either); an error raised while embedding (an unreadable photo, named in
+the message) stops the run. A rerun embeds only the shards that are not finished.
+
+On a cluster (`--address`), every node needs this project installed and the checkpoint, the
+photos and the index folder at the same paths (a shared file system): actors read photos and
+write shards themselves, and only shard numbers and counts travel through Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from index.gallery import Photo, embed_photos
+from index.shards import Shard, ShardPlan, write_shard
+from index.threads import set_threads
+from training.cdk.embedder import Embedder
+
+log = logging.getLogger(__name__)
+
+class CheckpointLoader:
+    """Builds the embedder inside an actor (a picklable stand-in for a lambda)."""
+
+    def __init__(self, checkpoint: str | Path, device: str | None):
+        self.checkpoint = str(checkpoint)
+        self.device = device
+
+    def __call__(self) -> Embedder:
+        return Embedder.from_checkpoint(self.checkpoint, device=self.device)
+
+
+class ShardWriter:
+    """A Ray Data actor: holds one embedder, turns rows {"shard", "photos"} into shard files."""
+
+    def __init__(self, load: Callable[[], Embedder], plan_fields: dict, batch_size: int,
+                 threads: int):
+        set_threads(threads)
+        self.embedder = load()
+        self.fields = plan_fields
+        if self.embedder.checkpoint_sha256 != plan_fields["checkpoint_sha256"]:
+            raise ValueError(
+                f"the checkpoint loaded on this worker has sha256 "
+                f"{self.embedder.checkpoint_sha256[:16]}..., the driver's "
+                f"{plan_fields['checkpoint_sha256'][:16]}...: the nodes do not see the same file")
+        self.batch_size = batch_size
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        counts = []
+        for number, start, key, rows in zip(batch["shard"], batch["start"], batch["key"],
+                                            batch["photos"], strict=True):
+            photos = tuple(Photo(id=r["id"], cls=r["class"], path=r["path"])
+                           for r in json.loads(rows))
+            shard = Shard(int(number), int(start), str(key), photos)
+            plan = ShardPlan(shards=(shard,), **self.fields)
+            vectors = embed_photos(self.embedder, plan.root, list(photos), plan.dims,
+                                   self.batch_size, progress=False)
+            write_shard(plan, shard, vectors)
+            counts.append(len(photos))
+        return {"shard": batch["shard"], "count": np.asarray(counts, dtype=np.int64)}
+
+
+def _start(address: str | None, num_cpus: int):
+    """Connect to `address`, or start a local Ray on `num_cpus` CPUs; returns (ray, started)."""
+    import ray
+
+    if ray.is_initialized():
+        return ray, False
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        # No dashboard: nothing listens beyond what the local workers need.
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    return ray, True
+
+
+def embed_ray(plan: ShardPlan, shards: list[Shard], load: Callable[[], Embedder],
+              batch_size: int = 32, address: str | None = None, actors: int = 0,
+              num_cpus: int = 2, progress: bool = True) -> int:
+    """Embed `shards` with a pool of Ray actors; returns the number of photos embedded.
+
+    `load` builds the embedder in each actor. `actors` = 0: one per GPU when the cluster has
+    GPUs, else one per CPU. A local Ray (no `address`, none running) gets `num_cpus` CPUs and
+    is shut down at the end.
+    """
+    if not shards:
+        return 0
+    ray, started = _start(address, num_cpus)
+    try:
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        size = actors or (gpus or cpus)
+        size = max(1, min(size, len(shards)))
+        slot = {"num_gpus": 1} if gpus else {"num_cpus": 1}
+        plan.folder.mkdir(parents=True, exist_ok=True)
+        fields = {"folder": plan.folder, "root": plan.root, "dims": plan.dims,
+                  "checkpoint_sha256": plan.checkpoint_sha256}
+        rows = [{"shard": s.number, "start": s.start, "key": s.key,
+                 "photos": json.dumps([{"id": p.id, "class": p.cls, "path": p.path}
+                                       for p in s.photos])} for s in shards]
+        log.info("embedding %d shards on %d Ray actors (%s each)", len(shards), size, slot)
+        ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
+            ShardWriter,
+            fn_constructor_kwargs={"load": load, "plan_fields": fields,
+                                   "batch_size": batch_size, "threads": 1},
+            batch_size=1,
+            compute=ray.data.ActorPoolStrategy(size=size),
+            **slot,
+        )
+        bar = tqdm(total=sum(len(s.photos) for s in shards), desc="embedding shards (ray)",
+                   unit="img", disable=not progress)
+        done = 0
+        for row in ds.iter_rows():
+            done += int(row["count"])
+            bar.update(int(row["count"]))
+        bar.close()
+        return done
+    finally:
+        if started:
+            ray.shutdown()

@@ -1,0 +1,194 @@
+"""Embedding shards: a gallery's vectors on disk in pieces that are written once and reused.
+
+    OUT/shards/shard-000012-<key>.npy    float32 (n, dims), the embeddings of photos start..start+n
+    OUT/shards/shard-000012-<key>.json   the rows of those photos ({"id", "class", "path"}), the
+                                         shard's place and the byte size of its .npy
+
+The gallery (sorted by class and file) is cut into consecutive shards of `shard_size` photos.
+A shard's key hashes what its vectors depend on: the checkpoint's sha256, the stored dims, its
+place, and each of its photos' id, class, path, byte size and modification time. A shard is
+finished when its .json exists and its .npy has the recorded size; both are written atomically
+(.npy first), so a writer killed at any moment leaves finished shards and temporaries, never a
+half shard. A rerun embeds only the shards that are not finished, with either engine (this
+process, or Ray actors: `index.ray_engine`); shards of other keys are removed after the index
+they fed is committed. Shards are read memory-mapped, one at a time, so building an index from
+them never holds all vectors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from index.gallery import Photo, embed_photos
+from training.cdk.embedder import Embedder
+from training.files import atomic_write_bytes, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+SHARD_FORMAT = 1
+DEFAULT_SHARD_SIZE = 10_000  # photos: ~10 MB of vectors at 256 dims; ~7 min of CPU embedding
+
+
+class ShardError(Exception):
+    """A shard on disk disagrees with the plan (edited or written by other code)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One planned shard: photos[start:start+len(photos)] of the gallery."""
+
+    number: int
+    start: int
+    key: str
+    photos: tuple[Photo, ...]
+
+    @property
+    def stem(self) -> str:
+        return f"shard-{self.number:06d}-{self.key}"
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """The shards of one gallery for one checkpoint and dims, in a folder."""
+
+    folder: Path
+    root: Path  # photo paths are relative to it
+    dims: int
+    checkpoint_sha256: str
+    shards: tuple[Shard, ...]
+
+    @property
+    def count(self) -> int:
+        return sum(len(s.photos) for s in self.shards)
+
+    def npy(self, shard: Shard) -> Path:
+        return self.folder / f"{shard.stem}.npy"
+
+    def meta(self, shard: Shard) -> Path:
+        return self.folder / f"{shard.stem}.json"
+
+    def photos(self) -> list[Photo]:
+        return [p for s in self.shards for p in s.photos]
+
+
+def _shard_key(checkpoint_sha256: str, dims: int, number: int, start: int, root: Path,
+               photos: list[Photo]) -> str:
+    digest = hashlib.sha256(f"{SHARD_FORMAT}|{checkpoint_sha256}|{dims}|{number}|{start}".encode())
+    for p in photos:
+        st = os.stat(root / p.path)
+        digest.update(f"|{p.id}|{p.cls}|{p.path}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def plan_shards(folder: str | Path, root: Path, photos: list[Photo], dims: int,
+                checkpoint_sha256: str, shard_size: int = DEFAULT_SHARD_SIZE) -> ShardPlan:
+    """Cut `photos` (the order of `index.gallery.scan_gallery`) into shards of `shard_size`."""
+    if shard_size < 1:
+        raise ValueError(f"shard_size={shard_size} must be >= 1")
+    shards = []
+    for number, start in enumerate(range(0, len(photos), shard_size)):
+        chunk = photos[start : start + shard_size]
+        key = _shard_key(checkpoint_sha256, dims, number, start, root, chunk)
+        shards.append(Shard(number, start, key, tuple(chunk)))
+    return ShardPlan(Path(folder), root, dims, checkpoint_sha256, tuple(shards))
+
+
+def _npy_bytes(vectors: np.ndarray) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(vectors, dtype=np.float32))
+    return buf.getvalue()
+
+
+def write_shard(plan: ShardPlan, shard: Shard, vectors: np.ndarray) -> None:
+    """Write one shard's vectors (n, dims), then its .json; each file atomically."""
+    if vectors.shape != (len(shard.photos), plan.dims):
+        raise ValueError(f"shard {shard.number}: vectors {vectors.shape}, expected "
+                         f"{(len(shard.photos), plan.dims)}")
+    data = _npy_bytes(vectors)
+    atomic_write_bytes(data, plan.npy(shard))
+    meta = {"format": SHARD_FORMAT, "number": shard.number, "start": shard.start,
+            "key": shard.key, "dims": plan.dims, "checkpoint_sha256": plan.checkpoint_sha256,
+            "npy_bytes": len(data),
+            "photos": [{"id": p.id, "class": p.cls, "path": p.path} for p in shard.photos]}
+    atomic_write_text(json.dumps(meta) + "\n", plan.meta(shard))
+
+
+def is_finished(plan: ShardPlan, shard: Shard) -> bool:
+    """Both files are there and the .npy has the size the .json records."""
+    try:
+        meta = json.loads(plan.meta(shard).read_text(encoding="utf-8"))
+        return plan.npy(shard).stat().st_size == meta["npy_bytes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def missing_shards(plan: ShardPlan) -> list[Shard]:
+    return [s for s in plan.shards if not is_finished(plan, s)]
+
+
+def read_shard(plan: ShardPlan, shard: Shard) -> np.ndarray:
+    """The vectors (n, dims) of a finished shard, memory-mapped read only; ShardError when
+    its files disagree with the plan."""
+    path = plan.meta(shard)
+    meta = json.loads(path.read_text(encoding="utf-8"))
+    rows = [Photo(id=r["id"], cls=r["class"], path=r["path"]) for r in meta["photos"]]
+    if (meta["dims"], meta["checkpoint_sha256"], meta["start"]) != (
+            plan.dims, plan.checkpoint_sha256, shard.start) or tuple(rows) != shard.photos:
+        raise ShardError(f"{str(path)!r} does not describe shard {shard.number} of this gallery "
+                         f"(key {shard.key}); delete it and rerun")
+    vectors = np.load(plan.npy(shard), mmap_mode="r")
+    if vectors.shape != (len(shard.photos), plan.dims) or vectors.dtype != np.float32:
+        raise ShardError(f"{str(plan.npy(shard))!r} holds {vectors.dtype} {vectors.shape}, "
+                         f"expected float32 {(len(shard.photos), plan.dims)}; delete it and rerun")
+    return vectors
+
+
+def iter_shards(plan: ShardPlan) -> Iterator[tuple[Shard, np.ndarray]]:
+    """(shard, memory-mapped vectors (n, dims)) in gallery order; every shard must be done."""
+    for shard in plan.shards:
+        yield shard, read_shard(plan, shard)
+
+
+def load_vectors(plan: ShardPlan) -> np.ndarray:
+    """All vectors (N, dims) in one array (the uncompressed kinds need them in memory)."""
+    out = np.empty((plan.count, plan.dims), dtype=np.float32)
+    for shard, vectors in iter_shards(plan):
+        out[shard.start : shard.start + len(vectors)] = vectors
+    return out
+
+
+def remove_stale(plan: ShardPlan) -> int:
+    """Delete shard files (and temporaries of killed writers) that the plan does not use."""
+    keep = {f"{s.stem}{ext}" for s in plan.shards for ext in (".npy", ".json")}
+    removed = 0
+    for path in plan.folder.iterdir():
+        if path.name.startswith(("shard-", ".shard-")) and path.name not in keep:
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def embed_local(embedder: Embedder, plan: ShardPlan, shards: list[Shard], batch_size: int = 32,
+                progress: bool = True) -> int:
+    """Embed `shards` in this process, writing each as it is done; returns the photos embedded."""
+    plan.folder.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=sum(len(s.photos) for s in shards), desc="embedding shards", unit="img",
+               disable=not progress)
+    for shard in shards:
+        vectors = embed_photos(embedder, plan.root, list(shard.photos), plan.dims, batch_size,
+                               progress=False)
+        write_shard(plan, shard, vectors)
+        bar.update(len(shard.photos))
+    bar.close()
+    return sum(len(s.photos) for s in shards)

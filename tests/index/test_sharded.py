@@ -1,0 +1,220 @@
+"""Sharded builds: shards on disk, compressed kinds against brute force, the memory budget,
+resume after an interruption, and the index opened memory-mapped."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from index.compressed import (
+    COMPRESSED_KINDS,
+    Recipe,
+    build_from_shards,
+    choose_auto,
+    default_nlist,
+    parse_bytes,
+    plan_recipe,
+    train,
+)
+from index.gallery import Photo, scan_gallery
+from index.search import exact_topk, exact_topk_blocks, pad_queries
+from index.sharded import build_sharded
+from index.shards import Shard, ShardPlan, load_vectors, missing_shards, write_shard
+from index.store import (
+    SIDECAR_FILE,
+    IndexStoreError,
+    Sidecar,
+    current_version,
+    load_index,
+    read_sidecar,
+)
+from tests.fakes import FakeEmbedder, make_gallery
+from tests.index.test_kinds import sketch_like
+
+
+def synthetic_plan(folder: Path, vectors: np.ndarray, shard_size: int) -> ShardPlan:
+    """Shards of given vectors (no photos on disk: the plan is made by hand)."""
+    shards = []
+    for number, start in enumerate(range(0, len(vectors), shard_size)):
+        n = min(shard_size, len(vectors) - start)
+        photos = tuple(Photo(f"p{start + i}", "c", f"c/p{start + i}.jpg") for i in range(n))
+        shards.append(Shard(number, start, f"{number:016x}", photos))
+    plan = ShardPlan(folder, folder, vectors.shape[1], "sha", tuple(shards))
+    folder.mkdir(parents=True, exist_ok=True)
+    for s in shards:
+        write_shard(plan, s, vectors[s.start : s.start + len(s.photos)])
+    return plan
+
+
+def recall(index, photos, sketches, d, stored):
+    q = np.ascontiguousarray(sketches[:, :d])
+    truth = np.argsort(-(q @ photos[:, :d].T), axis=1)[:, :10]  # numpy brute force
+    _, found = index.search(pad_queries(q, stored), 10)
+    return float(np.mean([len(set(t) & set(f)) / 10 for t, f in zip(truth, found, strict=True)]))
+
+
+@pytest.fixture(scope="module")
+def sketchlike(tmp_path_factory):
+    photos, sketches = sketch_like(20_000, 200, L=32)
+    plan = synthetic_plan(tmp_path_factory.mktemp("plan") / "shards", photos, 6_000)
+    return photos, sketches, plan
+
+
+@pytest.mark.parametrize("kind,floor", [("ivfsq8", 0.9), ("ivfpq", 0.5)])
+def test_compressed_kind_from_shards_against_brute_force(sketchlike, kind, floor,
+                                                          record_property):
+    photos, sketches, plan = sketchlike
+    recipe = plan_recipe(kind, len(photos), 32, budget=None, nprobe=16)
+    index = build_from_shards(recipe, plan, progress=False)
+    assert index.ntotal == len(photos)
+    got = {d: recall(index, photos, sketches, d, 32) for d in (4, 16, 32)}
+    record_property(f"{kind}_recall", got)
+    print(f"{kind} recall@10 of sketch queries vs brute force: {got}")
+    assert min(got.values()) >= floor, got
+    # Shard by shard gives the index FAISS's own add gives, from the same trained quantizers.
+    ref = train(recipe, photos)  # the sample of 20,000 vectors is all of them
+    ref.add(photos)
+    q = pad_queries(sketches[:20, :16], 32)
+    np.testing.assert_array_equal(index.search(q, 10)[1], ref.search(q, 10)[1])
+
+
+def test_ivfsq8_scores_are_prefix_inner_products(sketchlike):
+    """Zero-padded queries score the decoded d-prefix only: SQ8 codes each dim on its own."""
+    photos, sketches, plan = sketchlike
+    index = build_from_shards(plan_recipe("ivfsq8", 20_000, 32, None, nprobe=256), plan,
+                              progress=False)
+    for d in (3, 16):
+        scores, rows = index.search(pad_queries(sketches[:5, :d], 32), 5)
+        exact = np.einsum("qd,qkd->qk", sketches[:5, :d], photos[rows][:, :, :d])
+        np.testing.assert_allclose(scores, exact, atol=0.02 * np.abs(exact).max())
+
+
+def test_exact_topk_blocks_equals_one_block():
+    rng = np.random.default_rng(0)
+    x, q = rng.normal(size=(1000, 8)).astype(np.float32), rng.normal(size=(7, 8)).astype(
+        np.float32)
+    s1, i1 = exact_topk(x, q, 10)
+    s2, i2 = exact_topk_blocks(((o, x[o : o + 300]) for o in range(0, 1000, 300)), q, 10)
+    np.testing.assert_array_equal(i1, i2)
+    np.testing.assert_allclose(s1, s2, rtol=1e-6)
+
+
+def test_budget_picks_kind_and_code_size():
+    assert parse_bytes("3G") == 3 * 2**30 and parse_bytes("512M") == 2**29
+    assert parse_bytes("1.5K") == 1536 and parse_bytes("100") == 100
+    with pytest.raises(ValueError, match="'3 parsecs'"):
+        parse_bytes("3 parsecs")
+    n, d = 10_000_000, 256
+    assert default_nlist(n) == 4096 and default_nlist(1_000_000) == 1024
+    assert default_nlist(100) == 1
+    assert choose_auto(50_000, d, None) == "flat"
+    assert choose_auto(n, d, parse_bytes("16G")) == "ivf"  # 10.3 GB of float32 + ids
+    assert choose_auto(n, d, parse_bytes("3G")) == "ivfsq8"  # 2.64 GB
+    assert choose_auto(n, d, parse_bytes("1G")) == "opq"
+    sq8 = plan_recipe("ivfsq8", n, d, parse_bytes("3G"))
+    assert sq8.memory(n, d) == n * (256 + 8) + 4096 * 256 * 4
+    pq = plan_recipe("ivfpq", n, d, parse_bytes("1G"))
+    assert pq.m == 64 and pq.memory(n, d) <= 2**30 < Recipe("ivfpq", 4096, 128, 64).memory(n, d)
+    assert plan_recipe("opq", n, d, None).m == 128  # at most dims/2 sub-vectors
+    with pytest.raises(ValueError, match="too small for ivfsq8 over 10000000 vectors"):
+        plan_recipe("ivfsq8", n, d, parse_bytes("2G"))
+    with pytest.raises(ValueError, match="needs at least 9984 vectors"):
+        plan_recipe("ivfpq", 500, d, None)
+
+
+def test_interrupted_encoding_resumes_at_the_first_shard_not_encoded(tmp_path):
+    photos, _ = sketch_like(12_000, 1, L=16)
+    plan = synthetic_plan(tmp_path / "shards", photos, 3_000)
+    recipe = plan_recipe("ivfsq8", 12_000, 16, None)
+
+    def stop_after_two(block):
+        if block.start == 3_000:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_from_shards(recipe, plan, progress=False, on_block=stop_after_two)
+    written = {p.name: p.stat().st_mtime_ns for p in plan.folder.glob("codes-*")}
+    assert len(written) == 2 and len(list(plan.folder.glob("trained-*"))) == 1
+    resumed = build_from_shards(recipe, plan, progress=False)
+    assert {p.name: p.stat().st_mtime_ns for p in plan.folder.glob("codes-*")
+            if p.name in written} == written  # not encoded again
+    whole = build_from_shards(recipe, synthetic_plan(tmp_path / "again", photos, 3_000),
+                              progress=False)
+    q = pad_queries(photos[:50, :8], 16)
+    for a, b in zip(resumed.search(q, 10), whole.search(q, 10), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+class StopAfter(FakeEmbedder):
+    """Raises once `limit` photos have been embedded (an interrupted build)."""
+
+    def __init__(self, limit):
+        super().__init__(L=8)
+        self.limit, self.seen = limit, 0
+
+    def encode(self, batch, modality):
+        self.seen += len(batch)
+        if self.seen > self.limit:
+            raise KeyboardInterrupt
+        return super().encode(batch, modality)
+
+
+def test_sharded_build_resumes_and_never_shows_a_partial_index(tmp_path):
+    gallery = make_gallery(tmp_path / "photos", classes=3, per_class=5)
+    out = tmp_path / "ix"
+    with pytest.raises(KeyboardInterrupt):
+        build_sharded(StopAfter(8), gallery, out, "ckpt.pt", kind="ivfsq8", batch_size=4,
+                      shard_size=4, progress=False)
+    with pytest.raises(IndexStoreError):
+        load_index(out)  # two shards on disk, no index
+    plan_files = sorted(p.name for p in (out / "shards").glob("shard-*.json"))
+    assert len(plan_files) == 2
+    report = build_sharded(FakeEmbedder(L=8), gallery, out, "ckpt.pt", kind="ivfsq8",
+                           batch_size=4, shard_size=4, progress=False)
+    assert report.embedded == 15 - 8 and report.shards == 4
+    again = build_sharded(FakeEmbedder(L=8), gallery, out, "ckpt.pt", kind="ivfsq8",
+                          batch_size=4, shard_size=4, progress=False)
+    assert again.embedded == 0
+    # The shards hold what the local engine computes, photo by photo, with the same ids.
+    root, photos = scan_gallery(gallery)
+    reference = FakeEmbedder(L=8).embed([Image.open(root / p.path) for p in photos], "photo")
+    from index.shards import plan_shards
+
+    plan = plan_shards(out / "shards", root, photos, 8, FakeEmbedder(L=8).checkpoint_sha256, 4)
+    assert not missing_shards(plan)
+    np.testing.assert_allclose(load_vectors(plan), reference, rtol=1e-6, atol=1e-6)
+    ix = load_index(out)
+    assert [p.id for p in ix.photos] == [p.id for p in photos] and ix.sidecar.kind == "ivfsq8"
+    assert ix.sidecar.params["kind"] == "ivfsq8" and ix.sidecar.params["nlist"] == 1
+    assert set(ix.sidecar.recall["by_dims"]) == {"8"} and ix.sidecar.recall["k"] == 10
+    assert not list((out / "shards").glob("codes-*"))  # work files go after the commit
+
+
+def test_index_is_memory_mapped_and_old_sidecars_still_read(tmp_path):
+    from index.build import build_index
+
+    gallery = make_gallery(tmp_path / "photos", classes=2, per_class=3)
+    build_index(FakeEmbedder(L=8), gallery, tmp_path / "ix", "ckpt.pt", progress=False)
+    ix = load_index(tmp_path / "ix")
+    path = str(current_version(tmp_path / "ix") / "index.faiss")
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        assert path in maps.read_text()  # the vectors are mapped from the file, not copied
+    sidecar = current_version(tmp_path / "ix") / SIDECAR_FILE
+    raw = json.loads(sidecar.read_text())
+    assert raw["params"] == {} and raw["recall"] == {}
+    del raw["params"], raw["recall"]  # as earlier code wrote it
+    sidecar.write_text(json.dumps(raw))
+    assert read_sidecar(tmp_path / "ix") == Sidecar(**raw) and len(ix) == 6
+
+
+def test_compressed_kinds_are_build_choices():
+    from index.build import parse_args
+
+    for kind in COMPRESSED_KINDS:
+        cfg = parse_args(["--checkpoint", "c", "--photos", "p", "--out", "o", "--kind", kind,
+                          "--max-index-memory", "3G", "--engine", "ray", "--shard-size", "7"])
+        assert (cfg.kind, cfg.max_index_memory, cfg.engine, cfg.shard_size) == (
+            kind, "3G", "ray", 7)
