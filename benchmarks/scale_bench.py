@@ -260,16 +260,21 @@ def plot(results: list[dict], nprobe: int, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     kinds = sorted({r["kind"] for r in results})
+    colours = dict(zip(kinds, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    styles = dict(zip(DIMS, (":", "-", "--"), strict=True))
     for kind in kinds:
         rs = sorted((r for r in results if r["kind"] == kind), key=lambda r: r["n"])
         ns = [r["n"] for r in rs]
-        axes[0].plot(ns, [r["index_bytes"] / 2**30 for r in rs], "o-", label=kind)
-        for d, style in zip(DIMS, ("o:", "o-", "o--"), strict=True):
+        axes[0].plot(ns, [r["index_bytes"] / 2**30 for r in rs], "o-", color=colours[kind],
+                     label=kind)
+        for d in DIMS:
             pick = [next(x for x in r["rows"] if x["d"] == d and x["nprobe"] in (None, nprobe))
                     for r in rs]
+            kw = {"color": colours[kind], "ls": styles[d], "marker": "o"}
             if kind != "flat":
-                axes[1].plot(ns, [p["recall"] for p in pick], style, label=f"{kind} d={d}")
-            axes[2].plot(ns, [p["p50_ms"] for p in pick], style, label=f"{kind} d={d}")
+                axes[1].plot(ns, [p["recall"] for p in pick], label=f"{kind} d={d}", **kw)
+            axes[2].plot(ns, [p["p50_ms"] for p in pick], label=f"{kind} d={d}", **kw)
+    axes[0].legend(fontsize=8)
     axes[0].axhline(3, color="grey", lw=0.8, ls="--")
     axes[1].axhline(0.9, color="grey", lw=0.8, ls="--")
     axes[2].axhline(20, color="grey", lw=0.8, ls="--")
@@ -282,8 +287,8 @@ def plot(results: list[dict], nprobe: int, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_yscale("log")
     axes[2].set_yscale("log")
-    axes[1].legend(fontsize=7)
-    axes[2].legend(fontsize=6)
+    axes[1].legend(fontsize=7, ncol=2)
+    axes[2].legend(fontsize=6, ncol=2)
     fig.suptitle("simulated galleries (class model fitted to sketchy-mini embeddings of the "
                  "trained cpu preset, 256 dims)")
     fig.tight_layout()

@@ -37,7 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from index.kinds import AUTO_FLAT_MAX
-from index.shards import ShardPlan, read_shard
+from index.shards import ShardPlan, npy_bytes, read_shard
 from training.files import atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ def build_compressed(recipe: Recipe, blocks: list[Block], dims: int, work: Path,
         path = work / f"codes-{key}-{block.name}.npy"
         if not path.is_file():
             codes = index.sa_encode(np.ascontiguousarray(block.load(), dtype=np.float32))
-            atomic_write_bytes(_npy(codes), path)  # (count, cell bytes + code bytes) uint8
+            atomic_write_bytes(npy_bytes(codes), path)  # (count, cell bytes + code bytes) uint8
         codes = np.load(path)
         ivf.add_sa_codes(codes, np.arange(block.start, block.start + block.count,
                                           dtype=np.int64))
@@ -251,11 +251,3 @@ def remove_work_files(plan: ShardPlan) -> None:
     for path in plan.folder.iterdir():
         if path.name.startswith(("trained-", "codes-", ".trained-", ".codes-")):
             path.unlink(missing_ok=True)
-
-
-def _npy(array: np.ndarray) -> bytes:
-    import io
-
-    buf = io.BytesIO()
-    np.save(buf, array)
-    return buf.getvalue()

@@ -18,6 +18,7 @@ them never holds all vectors.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -102,11 +103,10 @@ def plan_shards(folder: str | Path, root: Path, photos: list[Photo], dims: int,
     return ShardPlan(Path(folder), root, dims, checkpoint_sha256, tuple(shards))
 
 
-def _npy_bytes(vectors: np.ndarray) -> bytes:
-    import io
-
+def npy_bytes(array: np.ndarray) -> bytes:
+    """The bytes of `array` as a .npy file (written atomically by the callers)."""
     buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(vectors, dtype=np.float32))
+    np.save(buf, np.ascontiguousarray(array))
     return buf.getvalue()
 
 
@@ -115,7 +115,7 @@ def write_shard(plan: ShardPlan, shard: Shard, vectors: np.ndarray) -> None:
     if vectors.shape != (len(shard.photos), plan.dims):
         raise ValueError(f"shard {shard.number}: vectors {vectors.shape}, expected "
                          f"{(len(shard.photos), plan.dims)}")
-    data = _npy_bytes(vectors)
+    data = npy_bytes(vectors.astype(np.float32, copy=False))
     atomic_write_bytes(data, plan.npy(shard))
     meta = {"format": SHARD_FORMAT, "number": shard.number, "start": shard.start,
             "key": shard.key, "dims": plan.dims, "checkpoint_sha256": plan.checkpoint_sha256,

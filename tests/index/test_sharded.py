@@ -218,3 +218,27 @@ def test_compressed_kinds_are_build_choices():
                           "--max-index-memory", "3G", "--engine", "ray", "--shard-size", "7"])
         assert (cfg.kind, cfg.max_index_memory, cfg.engine, cfg.shard_size) == (
             kind, "3G", "ray", 7)
+
+
+def test_append_to_a_compressed_index(tmp_path):
+    """index.add works on a compressed index: the new photos are encoded by its trained
+    quantizers and the old codes stay as they were. (Values outside the ranges the 8-bit
+    quantizer was trained on are clipped: README says to rebuild from the shards instead.)"""
+    from index.add import append_photos
+
+    gallery = make_gallery(tmp_path / "photos", classes=3, per_class=5)
+    build_sharded(FakeEmbedder(L=8), gallery, tmp_path / "ix", "ckpt.pt", kind="ivfsq8",
+                  shard_size=4, progress=False)
+    queries = np.random.default_rng(0).normal(size=(4, 8)).astype(np.float32)
+    before = load_index(tmp_path / "ix").search(queries, k=15)
+    make_gallery(gallery, classes=2, per_class=3, seed=1)
+    report = append_photos(FakeEmbedder(L=8), tmp_path / "ix", gallery, progress=False)
+    ix = load_index(tmp_path / "ix")
+    assert report.added == 6 and len(ix) == ix.index.ntotal == 21
+    assert ix.sidecar.kind == "ivfsq8"
+    root, photos = scan_gallery(gallery)
+    assert {p.id for p in ix.photos} == {p.id for p in photos}
+    scores, rows = ix.search(queries, k=21)
+    for q in range(4):
+        old = {r: sc for r, sc in zip(rows[q], scores[q], strict=True) if r < 15}
+        assert old == dict(zip(before[1][q], before[0][q], strict=True))
