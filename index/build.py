@@ -29,14 +29,7 @@ from index.gallery import cached_features, embed_photos, feature_cache_dir, scan
 from index.kinds import KINDS, choose_kind
 from index.search import recall_at_k
 from index.sharded import ENGINES, build_sharded, print_report
-from index.store import (
-    FORMAT_VERSION,
-    METRIC,
-    IndexWriter,
-    Sidecar,
-    check_replaceable,
-    now_utc,
-)
+from index.store import IndexWriter, Sidecar, check_replaceable, new_sidecar
 from index.threads import set_threads
 from training import cli
 from training.allocator import tune_allocator
@@ -118,19 +111,7 @@ def build_index(
         if kind != "flat":
             recall = {d: recall_at_k(index, vectors, k=recall_k, dims=d)
                       for d in prefix_dims(dims)}
-        sidecar = Sidecar(
-            format=FORMAT_VERSION,
-            checkpoint_sha256=embedder.checkpoint_sha256,
-            checkpoint=str(Path(checkpoint).absolute()),
-            backbone=embedder.backbone,
-            L=int(embedder.L),
-            dims=dims,
-            metric=METRIC,
-            count=len(gallery),
-            kind=kind,
-            created=now_utc(),
-            photos_root=str(root),
-        )
+        sidecar = new_sidecar(embedder, checkpoint, dims, len(gallery), kind, root)
         path = writer.commit(index, sidecar, gallery)
     return BuildReport(path, sidecar, recall, time.perf_counter() - start, len(cached[0]))
 

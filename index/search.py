@@ -10,7 +10,7 @@ import numpy as np
 
 from index.gpu import gpu_available, to_gpu
 
-__all__ = ["pad_queries", "exact_topk", "exact_topk_blocks", "recall_at_k"]
+__all__ = ["pad_queries", "exact_topk", "exact_topk_blocks", "recall_at_k", "recall_of"]
 
 
 def pad_queries(queries: np.ndarray, stored_dims: int) -> np.ndarray:
@@ -71,6 +71,13 @@ def recall_at_k(
     picks = rng.choice(n, size=min(n_queries, n), replace=False)
     queries = np.ascontiguousarray(vectors[picks, :d])
     _, truth = exact_topk(np.ascontiguousarray(vectors[:, :d]), queries, k)
+    return recall_of(index, queries, truth, stored, k)
+
+
+def recall_of(index: faiss.Index, queries: np.ndarray, truth: np.ndarray, stored: int,
+              k: int) -> float:
+    """Fraction of the exact top-k `truth` (Q, k) rows that `index` finds for the d-prefix
+    `queries` (Q, d), searched zero-padded to the `stored` dims."""
     _, found = index.search(pad_queries(queries, stored), k)
     hits = sum(len(set(t) & set(f[f >= 0])) for t, f in zip(truth, found, strict=True))
-    return hits / (len(picks) * k)
+    return hits / (len(queries) * k)

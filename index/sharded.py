@@ -34,7 +34,7 @@ from index.compressed import (
 )
 from index.gallery import scan_gallery
 from index.kinds import KINDS
-from index.search import exact_topk_blocks, pad_queries
+from index.search import exact_topk_blocks, recall_of
 from index.shards import (
     DEFAULT_SHARD_SIZE,
     embed_local,
@@ -44,15 +44,13 @@ from index.shards import (
     remove_stale,
 )
 from index.store import (
-    FORMAT_VERSION,
     INDEX_FILE,
-    METRIC,
     SHARDS_DIR,
     IndexWriter,
     Sidecar,
     check_replaceable,
     current_version,
-    now_utc,
+    new_sidecar,
 )
 from training.cdk.embedder import Embedder
 
@@ -91,9 +89,7 @@ def blocks_recall(index: faiss.Index, blocks: list[Block], stored: int, k: int,
     for d in dims_list:
         q = np.ascontiguousarray(queries[:, :d])
         _, truth = exact_topk_blocks(((b.start, b.load()[:, :d]) for b in blocks), q, k)
-        _, found = index.search(pad_queries(q, stored), k)
-        hits = sum(len(set(t) & set(f[f >= 0])) for t, f in zip(truth, found, strict=True))
-        out[d] = hits / (len(q) * min(k, count))
+        out[d] = recall_of(index, q, truth, stored, min(k, count))
     return out
 
 
@@ -160,19 +156,8 @@ def build_sharded(
         recall = {}
         if kind != "flat":
             recall = blocks_recall(index, plan_blocks(plan), dims, recall_k, report_dims(dims))
-        sidecar = Sidecar(
-            format=FORMAT_VERSION,
-            checkpoint_sha256=embedder.checkpoint_sha256,
-            checkpoint=str(Path(checkpoint).absolute()),
-            backbone=embedder.backbone,
-            L=int(embedder.L),
-            dims=dims,
-            metric=METRIC,
-            count=count,
-            kind=kind,
-            created=now_utc(),
-            photos_root=str(root),
-            params=params,
+        sidecar = new_sidecar(
+            embedder, checkpoint, dims, count, kind, root, params=params,
             recall={"k": recall_k, "queries": "gallery vectors",
                     "by_dims": {str(d): r for d, r in recall.items()}} if recall else {},
         )

@@ -121,6 +121,28 @@ class Sidecar:
         return cls(**{k: raw[k] for k in names if k in raw})
 
 
+def new_sidecar(embedder, checkpoint: str | Path, dims: int, count: int, kind: str,
+                photos_root: Path, params: dict | None = None,
+                recall: dict | None = None) -> Sidecar:
+    """The sidecar of a freshly built index: the checkpoint's identity (`embedder`, a
+    training.cdk Embedder, and its file), the stored dims and count, the kind, now."""
+    return Sidecar(
+        format=FORMAT_VERSION,
+        checkpoint_sha256=embedder.checkpoint_sha256,
+        checkpoint=str(Path(checkpoint).absolute()),
+        backbone=embedder.backbone,
+        L=int(embedder.L),
+        dims=dims,
+        metric=METRIC,
+        count=count,
+        kind=kind,
+        created=now_utc(),
+        photos_root=str(photos_root),
+        params=params or {},
+        recall=recall or {},
+    )
+
+
 def now_utc() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
