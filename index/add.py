@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from index.gallery import cached_features, embed_photos, feature_cache_dir, scan_gallery
+from index.smoothing import smooth_added
 from index.store import IndexWriter, Sidecar, load_index, now_utc, read_sidecar
 from index.threads import set_threads
 from training import cli
 from training.allocator import tune_allocator
 from training.cdk.embedder import Embedder
+from training.cdk.smoothing import Smoothing
 from training.folders import DataError
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,9 @@ def append_photos(
         if new:
             vectors = embed_photos(embedder, old_root, new, current.dims, batch_size, progress,
                                    cached, workers)
+            if current.sidecar.smoothing:  # as the build smoothed the stored photos
+                vectors = smooth_added(current.index, vectors,
+                                       Smoothing(**current.sidecar.smoothing))
             current.index.add(vectors)
         sidecar = dataclasses.replace(
             current.sidecar, count=current.index.ntotal, created=now_utc()

@@ -29,11 +29,13 @@ from index.gallery import cached_features, embed_photos, feature_cache_dir, scan
 from index.kinds import KINDS, choose_kind
 from index.search import recall_at_k
 from index.sharded import ENGINES, build_sharded, print_report
+from index.smoothing import checkpoint_smoothing, smooth_vectors
 from index.store import IndexWriter, Sidecar, check_replaceable, new_sidecar
 from index.threads import set_threads
 from training import cli
 from training.allocator import tune_allocator
 from training.cdk.embedder import Embedder
+from training.cdk.smoothing import Smoothing
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,12 @@ class BuildConfig:
     feature_cache: str | None = None  # training's feature cache; None: the checkpoint's; "none"
     workers: int = 1  # DataLoader processes decoding photos; 0: the main one
     progress: bool = True
+    # Gallery smoothing (training.cdk.smoothing) of the stored photo vectors; None: the
+    # checkpoint's values (training's --smooth-*); --smooth-k 0 stores the plain embeddings.
+    # Sharded builds do not smooth.
+    smooth_k: int | None = None
+    smooth_weight: float | None = None
+    smooth_rounds: int | None = None
     # Sharded builds (index.sharded): taken when --engine ray, a compressed --kind or
     # --max-index-memory is given.
     engine: str = "local"  # local | ray: where photos are embedded into OUT/shards
@@ -90,15 +98,19 @@ def build_index(
     progress: bool = True,
     feature_cache: str | Path | None = None,
     workers: int = 0,
+    smoothing: Smoothing | None = None,
 ) -> BuildReport:
     """Embed the gallery `photos` and write an index folder at `out` (the new version
     replaces the current one atomically; another writer of `out` is an IndexLockedError).
     `feature_cache`: training's feature cache folder to reuse photo features from (None:
-    none); `workers`: DataLoader processes decoding the other photos (0: this one)."""
+    none); `workers`: DataLoader processes decoding the other photos (0: this one);
+    `smoothing`: of the stored vectors (None: the checkpoint's)."""
     start = time.perf_counter()
     dims = embedder.L if dims is None else dims
     if not 1 <= dims <= embedder.L:
         raise ValueError(f"--dims {dims} is outside [1, L={embedder.L}] of the checkpoint")
+    if smoothing is None:
+        smoothing = checkpoint_smoothing(embedder.config)
     check_replaceable(Path(out).absolute())  # fail before minutes of embedding, not after
     root, gallery = scan_gallery(photos)
     with IndexWriter(out) as writer:  # held while embedding: a second writer fails at once
@@ -106,12 +118,14 @@ def build_index(
         cached = cached_features(embedder, root, gallery, feature_cache)
         vectors = embed_photos(embedder, root, gallery, dims, batch_size, progress, cached,
                                workers)  # (N, dims)
+        vectors = smooth_vectors(vectors, smoothing)
         index = KINDS[kind](vectors)
         recall = {}
         if kind != "flat":
             recall = {d: recall_at_k(index, vectors, k=recall_k, dims=d)
                       for d in prefix_dims(dims)}
-        sidecar = new_sidecar(embedder, checkpoint, dims, len(gallery), kind, root)
+        sidecar = new_sidecar(embedder, checkpoint, dims, len(gallery), kind, root,
+                              smoothing=smoothing.as_dict() if smoothing.active else None)
         path = writer.commit(index, sidecar, gallery)
     return BuildReport(path, sidecar, recall, time.perf_counter() - start, len(cached[0]))
 
@@ -140,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         print_append(append_photos(embedder, cfg.out, cfg.photos, cfg.batch_size, cfg.progress,
                                    cache, cfg.workers))
         return 0
+    smoothing = checkpoint_smoothing(embedder.config, cfg.smooth_k, cfg.smooth_weight,
+                                     cfg.smooth_rounds)
     if cfg.engine != "local" or cfg.kind in COMPRESSED_KINDS or cfg.max_index_memory:
+        if smoothing.active:
+            print("  gallery smoothing: not applied by sharded builds (plain embeddings "
+                  "stored)")
         print_report(build_sharded(
             embedder, cfg.photos, cfg.out, cfg.checkpoint, dims=cfg.dims, kind=cfg.kind,
             batch_size=cfg.batch_size, recall_k=cfg.recall_k, progress=cfg.progress,
@@ -151,13 +170,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     report = build_index(
         embedder, cfg.photos, cfg.out, cfg.checkpoint, cfg.dims, cfg.kind, cfg.batch_size,
-        cfg.recall_k, cfg.progress, cache, cfg.workers,
+        cfg.recall_k, cfg.progress, cache, cfg.workers, smoothing,
     )
     s = report.sidecar
     print(f"index: {report.out}")
     print(f"  {s.count} photos, kind={s.kind}, dims={s.dims} of L={s.L}, backbone={s.backbone}")
     print(f"  backbone features of {report.from_cache} of {s.count} photos from the feature "
           f"cache {cache}" if cache else "  feature cache: not used")
+    print(f"  gallery smoothing: {s.smoothing['k']} neighbours, weight {s.smoothing['weight']}, "
+          f"{s.smoothing['rounds']} rounds" if s.smoothing else "  gallery smoothing: off")
     print(f"  checkpoint sha256 {s.checkpoint_sha256[:16]}..., built in {report.seconds:.1f}s")
     for d, r in report.recall.items():
         print(f"  recall@{cfg.recall_k} vs exact at d={d}: {r:.4f}")

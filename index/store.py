@@ -99,6 +99,9 @@ class Sidecar:
     # code size) and the recall@k against exact search measured at build time.
     params: dict = field(default_factory=dict)
     recall: dict = field(default_factory=dict)
+    # Optional: the gallery smoothing of the stored vectors ({k, weight, rounds};
+    # training.cdk.smoothing), empty when they are the plain embeddings
+    smoothing: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -123,7 +126,7 @@ class Sidecar:
 
 def new_sidecar(embedder, checkpoint: str | Path, dims: int, count: int, kind: str,
                 photos_root: Path, params: dict | None = None,
-                recall: dict | None = None) -> Sidecar:
+                recall: dict | None = None, smoothing: dict | None = None) -> Sidecar:
     """The sidecar of a freshly built index: the checkpoint's identity (`embedder`, a
     training.cdk Embedder, and its file), the stored dims and count, the kind, now."""
     return Sidecar(
@@ -140,6 +143,7 @@ def new_sidecar(embedder, checkpoint: str | Path, dims: int, count: int, kind: s
         photos_root=str(photos_root),
         params=params or {},
         recall=recall or {},
+        smoothing=smoothing or {},
     )
 
 

@@ -7,11 +7,13 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from index.gallery import scan_gallery
 from index.store import IndexMismatchError, load_index
 from tests.conftest import REPO
+from training.cdk.smoothing import Smoothing, smooth
 from training.images import load_image
 
 
@@ -26,11 +28,15 @@ def test_cli_builds_an_index_that_equals_brute_force(tmp_path, real_checkpoint, 
     assert proc.returncode == 0, proc.stderr
     assert "15 photos, kind=flat, dims=6 of L=8, backbone=efficientnet-lite0" in proc.stdout
     assert "embedding photos" in proc.stderr  # the progress bar
+    # the checkpoint's own smoothing (its config's defaults) is applied by default
+    assert "gallery smoothing: 10 neighbours, weight 4.0, 2 rounds" in proc.stdout
 
     ix = load_index(out, checkpoint_sha256=real_embedder.checkpoint_sha256)
     assert ix.sidecar.backbone == "efficientnet-lite0" and ix.sidecar.L == 8
     root, photos = scan_gallery(small_gallery)
     gallery = real_embedder.embed([load_image(root / p.path) for p in photos], "photo")  # (15, 8)
+    # the reference: the stored 6 dims smoothed by training's rule with exact neighbours
+    gallery = smooth(torch.from_numpy(gallery[:, :6]), Smoothing(10, 4.0, 2)).numpy()
     sketches = real_embedder.embed(
         [Image.open(io.BytesIO(b)).convert("RGB") for b in small_sketches], "sketch")
     for d in (1, 2, 4, 6):

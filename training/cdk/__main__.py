@@ -27,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
         if m["valid"] is not None:  # the numbers to choose settings by
             print(f"validation classes: mAP@all {m['valid']['map_all']:.4f}  "
                   f"P@{m['k']} {m['valid']['precision_at_k']:.4f}")
+        if m["smoothed"] is not None:  # what an index of these photos returns
+            sm, c = m["smoothed"], m["smoothed"]["config"]
+            print(f"against the smoothed gallery (k={c['k']}, weight {c['weight']}, "
+                  f"{c['rounds']} rounds): test mAP@all {sm['map_all']:.4f}  "
+                  f"P@{m['k']} {sm['precision_at_k']:.4f}" + (
+                      "" if m["valid"] is None else
+                      f"; validation mAP@all {m['valid']['smoothed']['map_all']:.4f}"))
         print(f"wrote {cfg.out}/checkpoint.pt and {cfg.out}/metrics.json")
     return 0
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from training import cli
 
 __all__ = ["Config", "PRESETS", "METHODS", "NESTING_OF", "NESTING_WEIGHTS", "nesting_weights",
-           "make_config", "parse_args", "to_dict", "from_dict"]
+           "smoothing", "make_config", "parse_args", "to_dict", "from_dict"]
 
 # CLI method name -> nesting of training.loss.nesting_masks
 NESTING_OF = {"neuralsvd-jnt": "joint", "neuralsvd-seq": "sequential", "lora": "none"}
@@ -25,7 +25,7 @@ PAIRINGS = ("class", "instance")
 NESTING_WEIGHTS = ("uniform", "harmonic")
 # Fields that do not change what is trained: a run may be resumed with other values.
 RUNTIME_FIELDS = ("out", "threads", "cache_dir", "k", "gallery_queries", "gallery_topk",
-                  "workers")
+                  "workers", "smooth_k", "smooth_weight", "smooth_rounds")
 # BatchNorm while fine-tuning. frozen: every BN layer stays in eval mode with the pretrained
 # running statistics (its affine weights still train); train: BN layers of the trainable
 # stages use and update batch statistics.
@@ -78,6 +78,14 @@ class Config:
     seed: int = 0
     # evaluation and output
     k: int = 10  # P@k; sketchy-mini has 25 photos per class, so P@10 there (paper: P@100)
+    # gallery smoothing (training/cdk/smoothing.py): each photo embedding averaged with its
+    # smooth_k nearest gallery photos, smooth_rounds times, their mean weighted smooth_weight
+    # against itself; chosen on the validation classes (README). Evaluation reports it beside
+    # the plain embeddings, and index.build stores smoothed photos with these values.
+    # smooth_k 0 turns it off (instance-level retrieval wants the exact photo).
+    smooth_k: int = 10
+    smooth_weight: float = 4.0
+    smooth_rounds: int = 2
     gallery_queries: int = 6
     gallery_topk: int = 8
     out: str = "runs/cdk"
@@ -114,8 +122,9 @@ PRESETS: dict[str, dict] = {
 DEFAULT_PRESET = "cpu"
 
 # Fields that older checkpoints lack, with the value they were trained with where today's
-# default differs (joint nesting used uniform weights before the field existed).
-LEGACY = {"nesting_weights": "uniform"}
+# default differs (joint nesting used uniform weights before the field existed; their
+# indexes were built without gallery smoothing).
+LEGACY = {"nesting_weights": "uniform", "smooth_k": 0}
 
 
 def nesting_weights(cfg: Config):
@@ -125,6 +134,13 @@ def nesting_weights(cfg: Config):
 
         return 1.0 / torch.arange(1, cfg.L + 1, dtype=torch.float64)
     return None
+
+
+def smoothing(cfg: Config):
+    """The gallery smoothing of ``cfg`` (training.cdk.smoothing.Smoothing)."""
+    from .smoothing import Smoothing  # local: keep config import light
+
+    return Smoothing(cfg.smooth_k, cfg.smooth_weight, cfg.smooth_rounds)
 
 
 def _check(cfg: Config) -> Config:
@@ -167,6 +183,7 @@ def _check(cfg: Config) -> Config:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)!r}")
     if cfg.batch_size < 2:
         raise ValueError(f"batch_size must be >= 2 (the CDK estimator), got {cfg.batch_size}")
+    smoothing(cfg)  # its own checks name the bad value
     for name in ("lr", "mu", "head_lr"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name} must be positive, got {getattr(cfg, name)!r}")

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 __all__ = ["spectrum_order", "retrieval_metrics", "structure_curves", "orthogonality_stats",
-           "power_of_two_dims", "cosine_scores_metrics", "pca_curves"]
+           "power_of_two_dims", "cosine_scores_metrics", "pca_curves", "smoothed_metrics"]
 
 
 def spectrum_order(sv, top: int = 32) -> dict:
@@ -93,6 +93,23 @@ def structure_curves(f, g, q_labels, g_labels, k: int) -> dict:
         most[d] = retrieval_metrics(f[:, :d], g[:, :d], q_labels, g_labels, k)
         least[d] = retrieval_metrics(f[:, L - d :], g[:, L - d :], q_labels, g_labels, k)
     return {"most": most, "least": least}
+
+
+def smoothed_metrics(f, g, q_labels, g_labels, k: int, smoothing) -> dict | None:
+    """Retrieval against the smoothed gallery (training.cdk.smoothing), as index.build
+    stores it: {"config", "map_all", "precision_at_k", "k", "map_by_dims",
+    "precision_by_dims"}, where the d-mode numbers smooth the d-dim prefixes (an index
+    built with --dims d); None when ``smoothing`` is off."""
+    from .smoothing import smooth  # local: metrics stays free of the smoothing's defaults
+
+    if not smoothing.active:
+        return None
+    f, g = torch.as_tensor(f).float(), torch.as_tensor(g).float()
+    by = {d: retrieval_metrics(f[:, :d], smooth(g[:, :d], smoothing), q_labels, g_labels, k)
+          for d in power_of_two_dims(f.shape[1])}
+    return {"config": smoothing.as_dict(), **by[f.shape[1]],
+            "map_by_dims": {str(d): m["map_all"] for d, m in by.items()},
+            "precision_by_dims": {str(d): m["precision_at_k"] for d, m in by.items()}}
 
 
 def orthogonality_stats(z: torch.Tensor) -> dict:

@@ -16,7 +16,7 @@ from training.files import atomic_write_text
 
 from . import distributed
 from .backbones import Backbone, build_backbone
-from .config import Config, to_dict
+from .config import Config, smoothing, to_dict
 from .data import Dataset, scan
 from .features import extract_features
 from .metrics import (
@@ -24,6 +24,7 @@ from .metrics import (
     orthogonality_stats,
     pca_curves,
     retrieval_metrics,
+    smoothed_metrics,
     spectrum_order,
     structure_curves,
 )
@@ -69,6 +70,10 @@ def run(cfg: Config) -> dict:
     log.info("mAP@all: valid %s, test %.4f (choose settings on valid)",
              "n/a (no validation classes)" if valid is None else f"{valid['map_all']:.4f}",
              ev.full["map_all"])
+    if ev.smoothed is not None:
+        log.info("mAP@all against the smoothed gallery: valid %s, test %.4f",
+                 "n/a" if valid is None else f"{valid['smoothed']['map_all']:.4f}",
+                 ev.smoothed["map_all"])
     metrics = metrics_json(cfg, split, te, res, ev, train_seconds, valid)
     atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")
     write_plots(cfg, te, res, ev, out)
@@ -125,6 +130,7 @@ class Evaluation:
     raw_pca: dict  # {"cosine", "inner"}: d -> metrics on their top-d principal axes
     orthogonality_test: dict
     orthogonality_train: dict
+    smoothed: dict | None = None  # against the smoothed gallery (None: smoothing off)
 
 
 def embed_dataset(cfg: Config, bb: Backbone, res: TrainResult, ds: Dataset, name: str,
@@ -159,6 +165,7 @@ def evaluate(cfg: Config, bb: Backbone, res: TrainResult, te: Dataset, tr_s: tor
         raw_pca=pca_curves(tr_s, tr_p, te_s, te_p, *labels, cfg.k, list(curves["most"])),
         orthogonality_test={"sketch": orthogonality_stats(f), "photo": orthogonality_stats(g)},
         orthogonality_train=_train_orthogonality(res, tr_s, tr_p, dev),
+        smoothed=smoothed_metrics(f, g, *labels, cfg.k, smoothing(cfg)),
     )
 
 
@@ -176,6 +183,7 @@ def evaluate_valid(cfg: Config, bb: Backbone, res: TrainResult, va: Dataset,
         **retrieval_metrics(f, g, *labels, cfg.k),
         "map_by_dims": _by_dims(most, "map_all"),
         "precision_by_dims": _by_dims(most, "precision_at_k"),
+        "smoothed": smoothed_metrics(f, g, *labels, cfg.k, smoothing(cfg)),
         "classes": list(va.classes),
         "counts": {"sketches": len(va.sketches), "photos": len(va.photos)},
     }
@@ -205,6 +213,8 @@ def metrics_json(cfg: Config, split: dict, te: Dataset, res: TrainResult, ev: Ev
         "precision_by_dims": _by_dims(ev.curves["most"], "precision_at_k"),
         "map_by_dims_least": _by_dims(ev.curves["least"], "map_all"),
         "precision_by_dims_least": _by_dims(ev.curves["least"], "precision_at_k"),
+        # the same embeddings against the smoothed gallery that index.build stores
+        "smoothed": ev.smoothed,
         "singular_values": res.singular_values.tolist(),
         "spectrum_order": spectrum_order(res.singular_values),
         "orthogonality_test": ev.orthogonality_test,

@@ -1,0 +1,103 @@
+"""Gallery smoothing: the neighbour search against a brute-force loop, the update rule
+against a hand-written loop, its invariances, and that it helps a clustered gallery."""
+
+import numpy as np
+import pytest
+import torch
+
+from training.cdk.metrics import retrieval_metrics, smoothed_metrics
+from training.cdk.smoothing import Smoothing, exact_neighbours, smooth
+
+
+def _loop_neighbours(g: np.ndarray, k: int) -> np.ndarray:
+    out = []
+    for i, a in enumerate(g):
+        sims = [(-(a @ b) / np.linalg.norm(a) / np.linalg.norm(b), j)
+                for j, b in enumerate(g) if j != i]
+        out.append([j for _, j in sorted(sims)[:k]])
+    return np.array(out)
+
+
+def test_exact_neighbours_match_a_brute_force_loop():
+    g = torch.randn(37, 6, generator=torch.Generator().manual_seed(0))
+    for chunk in (5, 4096):
+        idx = exact_neighbours(g, 4, torch.arange(37), chunk=chunk)
+        assert idx.shape == (37, 4)
+        np.testing.assert_array_equal(idx.numpy(), _loop_neighbours(g.double().numpy(), 4))
+        rows = torch.tensor([30, 2, 17])
+        np.testing.assert_array_equal(exact_neighbours(g, 4, rows, chunk=chunk).numpy(),
+                                      _loop_neighbours(g.double().numpy(), 4)[rows])
+
+
+def test_smooth_matches_the_rule_written_out():
+    g = torch.randn(20, 5, generator=torch.Generator().manual_seed(1))
+    cfg = Smoothing(k=3, weight=2.5, rounds=2)
+    want = g.double().numpy()
+    for _ in range(2):
+        nb = _loop_neighbours(want, 3)
+        want = (want + 2.5 * want[nb].mean(1)) / 3.5
+    np.testing.assert_allclose(smooth(g, cfg).numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_smooth_acts_on_each_coordinate_alike():
+    # a permutation of the modes commutes with smoothing (neighbours are by cosine, which
+    # a permutation keeps), so coordinate i of the result is built from coordinate i only
+    g = torch.randn(30, 8, generator=torch.Generator().manual_seed(2))
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(3))
+    cfg = Smoothing(k=4, weight=1.0, rounds=2)
+    torch.testing.assert_close(smooth(g[:, perm], cfg), smooth(g, cfg)[:, perm])
+
+
+def test_off_and_tiny_galleries_are_unchanged():
+    g = torch.randn(5, 3)
+    torch.testing.assert_close(smooth(g, Smoothing(k=0)), g)
+    torch.testing.assert_close(smooth(g, Smoothing(k=3, weight=0.0)), g)
+    torch.testing.assert_close(smooth(g[:1], Smoothing(k=10)), g[:1])
+    # k larger than the gallery: every other photo is a neighbour
+    out = smooth(g[:3], Smoothing(k=10, weight=1.0, rounds=1))
+    others = torch.stack([g[[1, 2]].mean(0), g[[0, 2]].mean(0), g[[0, 1]].mean(0)])
+    torch.testing.assert_close(out, (g[:3] + others) / 2)
+
+
+def test_bad_settings_name_the_value():
+    with pytest.raises(ValueError, match="-1"):
+        Smoothing(k=-1)
+    with pytest.raises(ValueError, match="weight"):
+        Smoothing(weight=-0.5)
+    with pytest.raises(ValueError, match="rounds"):
+        Smoothing(rounds=0)
+
+
+def test_a_bad_neighbour_search_is_refused():
+    with pytest.raises(ValueError, match="expected"):
+        smooth(torch.randn(6, 2), Smoothing(k=2), lambda g, k, r: torch.zeros(6, 1, dtype=int))
+
+
+def test_smoothing_some_rows_holds_the_others_fixed():
+    g = torch.randn(25, 4, generator=torch.Generator().manual_seed(5))
+    cfg = Smoothing(k=3, weight=2.0, rounds=2)
+    rows = torch.tensor([20, 21, 22, 23, 24])
+    out = smooth(g, cfg, rows=rows)
+    torch.testing.assert_close(out[:20], g[:20])
+    want = g.double().numpy().copy()
+    for _ in range(2):
+        nb = _loop_neighbours(want, 3)[rows]
+        want[rows] = (want[rows] + 2.0 * want[nb].mean(1)) / 3.0
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_smoothing_raises_map_on_a_clustered_gallery():
+    # photos of a class scattered around its centre; queries are noisier: averaging each
+    # photo with its same-class neighbours moves it toward the centre the queries point at
+    gen = torch.Generator().manual_seed(4)
+    centres = torch.randn(8, 16, generator=gen) * 2
+    labels = np.repeat(np.arange(8), 12)
+    g = centres[labels] + 1.5 * torch.randn(96, 16, generator=gen)
+    f = centres[labels] + 3.0 * torch.randn(96, 16, generator=gen)
+    plain = retrieval_metrics(f, g, labels, labels, 10)["map_all"]
+    sm = smoothed_metrics(f, g, labels, labels, 10, Smoothing(k=5, weight=4.0, rounds=2))
+    assert sm["map_all"] > plain + 0.05
+    assert sm["config"] == {"k": 5, "weight": 4.0, "rounds": 2}
+    assert set(sm["map_by_dims"]) == {"1", "2", "4", "8", "16"}
+    assert sm["map_by_dims"]["16"] == sm["map_all"]
+    assert smoothed_metrics(f, g, labels, labels, 10, Smoothing(k=0)) is None
