@@ -35,6 +35,12 @@ from pathlib import Path, PurePosixPath
 import faiss
 import numpy as np
 
+from index.errors import (
+    IndexCorruptError,
+    IndexLockedError,
+    IndexMismatchError,
+    IndexNotFoundError,
+)
 from index.gallery import Photo
 from index.search import pad_queries
 from training.files import fsync_dir
@@ -58,26 +64,6 @@ FLAT_FILES = (INDEX_FILE, META_FILE, SIDECAR_FILE)  # the layout of earlier code
 # (flat, IVF, SQ, PQ) from the file, read only (FAISS 1.15's IO_FLAG_MMAP still copied a flat
 # index's vectors into memory). Such an index cannot be added to (append loads a copy).
 SERVE_IO_FLAGS = faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY
-
-
-class IndexStoreError(Exception):
-    """Base of the errors raised when an index on disk cannot be used."""
-
-
-class IndexNotFoundError(IndexStoreError):
-    """No index at the given folder."""
-
-
-class IndexCorruptError(IndexStoreError):
-    """The index files are incomplete or disagree with each other."""
-
-
-class IndexMismatchError(IndexStoreError):
-    """The index was built from a different checkpoint."""
-
-
-class IndexLockedError(IndexStoreError):
-    """Another process is writing the index folder."""
 
 
 @dataclass(frozen=True)

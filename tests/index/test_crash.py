@@ -15,12 +15,12 @@ import pytest
 
 from index.add import append_photos
 from index.build import build_index
+from index.errors import IndexStoreError
 from index.store import (
     FLAT_FILES,
     LOCK_FILE,
     POINTER_FILE,
     VERSION_NAME,
-    IndexStoreError,
     current_version,
     load_index,
 )
