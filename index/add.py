@@ -63,7 +63,7 @@ def append_photos(
         skipped = 0
         for p in gallery:
             path = (root / p.path).resolve()
-            row = current.rows.get(p.id)
+            row = current.row_of(p.id)
             if row is None:
                 if not path.is_relative_to(old_root):
                     raise DataError(
@@ -88,7 +88,7 @@ def append_photos(
         sidecar = dataclasses.replace(
             current.sidecar, count=current.index.ntotal, created=now_utc()
         )
-        out = writer.commit(current.index, sidecar, [*current.photos, *new])
+        out = writer.commit(current.index, sidecar, current.photos, new)  # table copied
     log.info("appended %d photos (%d already indexed) to %s", len(new), skipped, out)
     return AppendReport(out, sidecar, len(new), skipped, len(cached[0]))
 
