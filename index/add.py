@@ -5,7 +5,7 @@
 Photos already in the index (same id, same file) are skipped; an id that names a different
 file is an error. The checkpoint defaults to the one recorded in the sidecar and must have
 the same hash. New photos must live below the index's photo root (the sidecar's
-`photos_root`): meta paths are relative to it, and the service serves nothing outside it.
+`photos_root`): table paths are relative to it, and the service serves nothing outside it.
 The new version replaces the current one atomically, under the index's writer lock.
 New photos whose frozen-backbone features training cached are reused as by `index.build`
 (`--feature-cache`, `--workers`).

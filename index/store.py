@@ -32,7 +32,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
@@ -86,7 +86,7 @@ class Sidecar:
     count: int
     kind: str
     created: str
-    photos_root: str  # meta paths are relative to this folder (or absolute)
+    photos_root: str  # photo table paths are relative to this folder
     # Optional (absent from sidecars of earlier code): the kind's parameters (cells, probes,
     # code size) and the recall@k against exact search measured at build time.
     params: dict = field(default_factory=dict)
@@ -387,19 +387,19 @@ def _read_sidecar_at(version: Path) -> Sidecar:
     return Sidecar.from_json(text, str(path))
 
 
-def read_meta(path: Path) -> list[Photo]:
-    """The rows of an earlier code's meta.jsonl, every path checked."""
-    photos = []
+def iter_meta(path: Path) -> Iterator[Photo]:
+    """The rows of an earlier code's meta.jsonl, one at a time, every path checked (a
+    generator: `PhotoTable.from_photos` takes them a chunk at a time, never all as objects)."""
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             try:
                 row = json.loads(line)
-                photos.append(Photo(id=row["id"], cls=row["class"], path=row["path"]))
+                photo = Photo(id=row["id"], cls=row["class"], path=row["path"])
             except (json.JSONDecodeError, KeyError, TypeError) as err:
                 msg = f"{str(path)!r} line {line_no} is malformed: {err}"
                 raise IndexCorruptError(msg) from err
-            check_photo_path(photos[-1].path, f"{str(path)!r} line {line_no}")
-    return photos
+            check_photo_path(photo.path, f"{str(path)!r} line {line_no}")
+            yield photo
 
 
 def load_index(
@@ -463,7 +463,7 @@ def _read_table(version: Path) -> tuple[PhotoTable, str]:
         return PhotoTable.open(version), TABLE_FILE  # names what is missing when neither is
     meta = version / META_FILE
     try:
-        return PhotoTable.from_photos(read_meta(meta), str(meta)), META_FILE
+        return PhotoTable.from_photos(iter_meta(meta), str(meta)), META_FILE
     except FileNotFoundError as err:
         raise IndexCorruptError(f"index {str(version)!r} is missing {META_FILE}") from err
     except ValueError as err:  # an id on two rows

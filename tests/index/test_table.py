@@ -182,8 +182,8 @@ def test_damaged_bytes_of_a_row_are_refused_when_it_is_read(tmp_path):
     (folder / IDS).write_bytes(bytes(ids))
     table = PhotoTable.open(folder)
     assert table[0] == UNICODE[0]
-    with pytest.raises(IndexCorruptError, match=r"photo table '.*/t' row 1 is damaged: id is "
-                                                "not UTF-8"):
+    with pytest.raises(IndexCorruptError, match=r"photo table '.*/t' row 1 is damaged: id or "
+                                                "path is not UTF-8"):
         table[1]
     codes = folder / CLASSES
     data = bytearray(codes.read_bytes())
