@@ -208,9 +208,9 @@ class PhotoTable(Sequence[Photo]):
 def write_table(folder: str | Path, *parts: PhotoTable | Iterable[Photo]) -> int:
     """Write the rows of `parts`, one part after the other, as the table files in `folder`
     (a version being staged: the files must not exist yet), each flushed to disk; returns
-    the number of rows. The caller fsyncs the folder. A PhotoTable part is copied column by
-    column, any other is read a chunk of rows at a time, so no part need be in memory as
-    Photo objects. ValueError names a path that leaves the photo root or an id given twice.
+    the number of rows. The caller fsyncs the folder. Parts are read a chunk of rows at a
+    time, a PhotoTable's straight from its columns, so no part need be in memory as Photo
+    objects. ValueError names a path that leaves the photo root or an id given twice.
     """
     folder = Path(folder)
     with open(folder / IDS, "xb") as ids, open(folder / PATHS, "xb") as paths:
@@ -241,7 +241,7 @@ def write_table(folder: str | Path, *parts: PhotoTable | Iterable[Photo]) -> int
 
 class _Columns:
     """A table being written: the id and path bytes go to two binary files as rows come;
-    their lengths, class codes and id hashes are kept (24 bytes a row) for `finish`."""
+    their lengths, class codes and id hashes are kept (28 bytes a row) for `finish`."""
 
     def __init__(self, ids: BinaryIO, paths: BinaryIO):
         self.ids, self.paths = ids, paths

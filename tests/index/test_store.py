@@ -152,6 +152,17 @@ def test_failed_write_leaves_no_index_and_keeps_the_old_one(tmp_path, gallery, e
     assert sorted(p.name for p in out.iterdir()) == [".lock", "CURRENT", current_version(out).name]
 
 
+def test_a_table_of_another_length_than_the_index_is_not_committed(tmp_path, gallery, embedder):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+    ix = load_index(out, mmap=False)
+    with IndexWriter(out) as writer, pytest.raises(ValueError, match="the photo table has 14 "
+                                                                     "rows; the sidecar says 15"):
+        writer.commit(ix.index, ix.sidecar, list(ix.photos)[:14])
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "CURRENT", current_version(out).name]
+    assert len(load_index(out).photos) == 15
+
+
 def test_half_written_or_inconsistent_index_is_refused(tmp_path, gallery, embedder):
     out = tmp_path / "ix"
     build_index(embedder, gallery, out, "ckpt.pt", progress=False)
