@@ -5,7 +5,7 @@
 Photos already in the index (same id, same file) are skipped; an id that names a different
 file is an error. The checkpoint defaults to the one recorded in the sidecar and must have
 the same hash. New photos must live below the index's photo root (the sidecar's
-`photos_root`): meta paths are relative to it, and the service serves nothing outside it.
+`photos_root`): table paths are relative to it, and the service serves nothing outside it.
 The new version replaces the current one atomically, under the index's writer lock.
 New photos whose frozen-backbone features training cached are reused as by `index.build`
 (`--feature-cache`, `--workers`).
@@ -65,7 +65,7 @@ def append_photos(
         skipped = 0
         for p in gallery:
             path = (root / p.path).resolve()
-            row = current.rows.get(p.id)
+            row = current.row_of(p.id)
             if row is None:
                 if not path.is_relative_to(old_root):
                     raise DataError(
@@ -93,7 +93,7 @@ def append_photos(
         sidecar = dataclasses.replace(
             current.sidecar, count=current.index.ntotal, created=now_utc()
         )
-        out = writer.commit(current.index, sidecar, [*current.photos, *new])
+        out = writer.commit(current.index, sidecar, current.photos, new)  # table copied
     log.info("appended %d photos (%d already indexed) to %s", len(new), skipped, out)
     return AppendReport(out, sidecar, len(new), skipped, len(cached[0]))
 

@@ -161,7 +161,7 @@ def build_sharded(
             recall={"k": recall_k, "queries": "gallery vectors",
                     "by_dims": {str(d): r for d, r in recall.items()}} if recall else {},
         )
-        writer.commit(index, sidecar, plan.photos())
+        writer.commit(index, sidecar, *(s.photos for s in plan.shards))  # table by shard
         del index
         remove_work_files(plan)
         remove_stale(plan)

@@ -77,9 +77,6 @@ class ShardPlan:
     def meta(self, shard: Shard) -> Path:
         return self.folder / f"{shard.stem}.json"
 
-    def photos(self) -> list[Photo]:
-        return [p for s in self.shards for p in s.photos]
-
 
 def _shard_key(checkpoint_sha256: str, dims: int, number: int, start: int, root: Path,
                photos: list[Photo]) -> str:

@@ -1,7 +1,8 @@
 """An index on disk: a folder of versions and a pointer file naming the current one.
 
     OUT/CURRENT              the name of the current version (one line)
-    OUT/v-<UTC time>-<hex>/  index.faiss, meta.jsonl and the index.json sidecar
+    OUT/v-<UTC time>-<hex>/  index.faiss, the index.json sidecar and the photo table
+                             (photos.json and its columns, `index.table`)
     OUT/.lock                held (flock) by the one process writing OUT
     OUT/encoders/            the query encoder exported per checkpoint (training.cdk.export)
     OUT/shards/              embedding shards of sharded builds (index.shards), reused on reruns
@@ -12,11 +13,14 @@ CURRENT, so a writer killed at any moment leaves the old index (before the renam
 or the new one (after). The version CURRENT named before a write is kept until the next write,
 so a reader that just followed the old pointer still finds it; older versions and the
 temporaries of killed writers are removed by later writers. An index written by earlier code
-(the three files directly in OUT, no CURRENT) is still read; the next write converts it.
+(index.faiss, index.json and meta.jsonl, one JSON row a photo, directly in OUT without
+CURRENT, or in a version folder) is still read, its rows into a table in memory; the next
+write converts it.
 
-Loading checks that the three files agree, so a half-written or hand-edited index is refused,
-that the checkpoint is the one the index was built from, and that every photo path is
-relative and stays below the photo root.
+Loading checks that the index, the sidecar and the table agree, so a half-written or
+hand-edited index is refused, and that the checkpoint is the one the index was built from.
+Every photo path is relative and stays below the photo root: all of meta.jsonl's when it is
+read, a table's row by row as rows are read (`index.table`).
 """
 
 from __future__ import annotations
@@ -28,15 +32,23 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from datetime import datetime, timezone
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import faiss
 import numpy as np
 
+from index.errors import (
+    IndexCorruptError,
+    IndexLockedError,
+    IndexMismatchError,
+    IndexNotFoundError,
+)
 from index.gallery import Photo
 from index.search import pad_queries
+from index.table import TABLE_FILE, PhotoTable, check_photo_path, write_table
 from training.files import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -44,7 +56,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 INDEX_FILE = "index.faiss"
 SIDECAR_FILE = "index.json"
-META_FILE = "meta.jsonl"
+META_FILE = "meta.jsonl"  # the photo table of earlier code, one JSON object a row: read only
 METRIC = "inner_product"
 POINTER_FILE = "CURRENT"
 LOCK_FILE = ".lock"
@@ -58,26 +70,6 @@ FLAT_FILES = (INDEX_FILE, META_FILE, SIDECAR_FILE)  # the layout of earlier code
 # (flat, IVF, SQ, PQ) from the file, read only (FAISS 1.15's IO_FLAG_MMAP still copied a flat
 # index's vectors into memory). Such an index cannot be added to (append loads a copy).
 SERVE_IO_FLAGS = faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY
-
-
-class IndexStoreError(Exception):
-    """Base of the errors raised when an index on disk cannot be used."""
-
-
-class IndexNotFoundError(IndexStoreError):
-    """No index at the given folder."""
-
-
-class IndexCorruptError(IndexStoreError):
-    """The index files are incomplete or disagree with each other."""
-
-
-class IndexMismatchError(IndexStoreError):
-    """The index was built from a different checkpoint."""
-
-
-class IndexLockedError(IndexStoreError):
-    """Another process is writing the index folder."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +86,7 @@ class Sidecar:
     count: int
     kind: str
     created: str
-    photos_root: str  # meta paths are relative to this folder (or absolute)
+    photos_root: str  # photo table paths are relative to this folder
     # Optional (absent from sidecars of earlier code): the kind's parameters (cells, probes,
     # code size) and the recall@k against exact search measured at build time.
     params: dict = field(default_factory=dict)
@@ -152,14 +144,18 @@ def now_utc() -> str:
 
 
 class GalleryIndex:
-    """A loaded index: FAISS search over d-prefixes plus the photo table."""
+    """A loaded index: FAISS search over d-prefixes plus the photo table (`photos[row]` ->
+    Photo, decoded when asked for)."""
 
-    def __init__(self, folder: Path, index: faiss.Index, sidecar: Sidecar, photos: list[Photo]):
+    def __init__(self, folder: Path, index: faiss.Index, sidecar: Sidecar, photos: PhotoTable):
         self.folder = folder
         self.index = index
         self.sidecar = sidecar
         self.photos = photos
-        self.rows = {p.id: i for i, p in enumerate(photos)}
+
+    def row_of(self, photo_id: str) -> int | None:
+        """The row of the photo with this id, or None."""
+        return self.photos.row_of(photo_id)
 
     @property
     def dims(self) -> int:
@@ -273,7 +269,7 @@ class IndexWriter:
 
         with IndexWriter(out) as writer:
             ...  # read the current index, embed photos
-            writer.commit(index, sidecar, photos)
+            writer.commit(index, sidecar, photos)  # or several parts: (table, new_photos)
 
     IndexLockedError when another process holds the lock (it is released by the kernel
     when that process dies, however it dies). Entering removes the temporaries of killed
@@ -326,15 +322,15 @@ class IndexWriter:
             else:
                 path.unlink(missing_ok=True)
 
-    def commit(self, index: faiss.Index, sidecar: Sidecar, photos: list[Photo]) -> Path:
-        """Write a new version and make it current; returns OUT."""
+    def commit(self, index: faiss.Index, sidecar: Sidecar,
+               *photos: PhotoTable | Iterable[Photo]) -> Path:
+        """Write a new version and make it current; returns OUT. The photo table is the rows
+        of the `photos` parts one after the other (`index.table.write_table`)."""
         if self._fd is None:
             raise RuntimeError("IndexWriter.commit called outside its `with` block")
-        if index.ntotal != sidecar.count or len(photos) != sidecar.count:
-            raise ValueError(
-                f"index holds {index.ntotal} vectors and the table {len(photos)} photos; "
-                f"the sidecar says {sidecar.count}"
-            )
+        if index.ntotal != sidecar.count:
+            raise ValueError(f"index holds {index.ntotal} vectors; the sidecar says "
+                             f"{sidecar.count}")
         out = self.out
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         name = f"v-{stamp}-{uuid.uuid4().hex[:12]}"
@@ -343,8 +339,10 @@ class IndexWriter:
         try:
             faiss.write_index(index, str(stage / INDEX_FILE))
             _fsync_file(stage / INDEX_FILE)
-            _write_text(stage / META_FILE, "".join(
-                json.dumps({"id": p.id, "class": p.cls, "path": p.path}) + "\n" for p in photos))
+            rows = write_table(stage, *photos)
+            if rows != sidecar.count:
+                raise ValueError(f"the photo table has {rows} rows; the sidecar says "
+                                 f"{sidecar.count}")
             _write_text(stage / SIDECAR_FILE, sidecar.to_json())
             fsync_dir(stage)
             os.rename(stage, out / name)
@@ -370,7 +368,7 @@ class IndexWriter:
 
 
 def write_index(
-    out_dir: str | Path, index: faiss.Index, sidecar: Sidecar, photos: list[Photo]
+    out_dir: str | Path, index: faiss.Index, sidecar: Sidecar, photos: Iterable[Photo]
 ) -> Path:
     """Write (or replace) the index folder `out_dir` under its lock; returns its path."""
     with IndexWriter(out_dir) as writer:
@@ -393,30 +391,19 @@ def _read_sidecar_at(version: Path) -> Sidecar:
     return Sidecar.from_json(text, str(path))
 
 
-def check_photo_path(path: object, where: str) -> str:
-    """A meta path must be relative, without `..`: a photo lives below the photo root."""
-    if not isinstance(path, str) or not path:
-        raise IndexCorruptError(f"{where}: photo path {path!r} is not a relative path")
-    if PurePosixPath(path).is_absolute() or ".." in PurePosixPath(path).parts or "\0" in path:
-        raise IndexCorruptError(
-            f"{where}: photo path {path!r} leaves the photo root (absolute or with '..'); "
-            "photos must live below the root; rebuild the index"
-        )
-    return path
-
-
-def read_meta(path: Path) -> list[Photo]:
-    photos = []
+def iter_meta(path: Path) -> Iterator[Photo]:
+    """The rows of an earlier code's meta.jsonl, one at a time, every path checked (a
+    generator: `PhotoTable.from_photos` takes them a chunk at a time, never all as objects)."""
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             try:
                 row = json.loads(line)
-                photos.append(Photo(id=row["id"], cls=row["class"], path=row["path"]))
+                photo = Photo(id=row["id"], cls=row["class"], path=row["path"])
             except (json.JSONDecodeError, KeyError, TypeError) as err:
                 msg = f"{str(path)!r} line {line_no} is malformed: {err}"
                 raise IndexCorruptError(msg) from err
-            check_photo_path(photos[-1].path, f"{str(path)!r} line {line_no}")
-    return photos
+            check_photo_path(photo.path, f"{str(path)!r} line {line_no}")
+            yield photo
 
 
 def load_index(
@@ -452,22 +439,18 @@ def _load_version(folder: Path, version: Path, checkpoint_sha256: str | None, mm
             f"given has sha256 {checkpoint_sha256[:16]}...; rebuild the index with "
             f"python -m index.build --checkpoint CKPT --photos DIR --out {folder}"
         )
-    for name in (INDEX_FILE, META_FILE):
-        if not (version / name).is_file():
-            raise IndexCorruptError(f"index {str(version)!r} is missing {name}")
+    if not (version / INDEX_FILE).is_file():
+        raise IndexCorruptError(f"index {str(version)!r} is missing {INDEX_FILE}")
     flags = SERVE_IO_FLAGS if mmap else 0
     try:
         index = faiss.read_index(str(version / INDEX_FILE), flags)
     except RuntimeError as err:
         raise IndexCorruptError(f"cannot read {str(version / INDEX_FILE)!r}: {err}") from err
-    try:
-        photos = read_meta(version / META_FILE)
-    except FileNotFoundError as err:
-        raise IndexCorruptError(f"index {str(version)!r} is missing {META_FILE}") from err
+    photos, table_file = _read_table(version)
     if not (index.ntotal == len(photos) == sidecar.count):
         raise IndexCorruptError(
             f"index {str(folder)!r} disagrees with itself: {INDEX_FILE} holds {index.ntotal} "
-            f"vectors, {META_FILE} {len(photos)} rows, {SIDECAR_FILE} says {sidecar.count}"
+            f"vectors, {table_file} {len(photos)} rows, {SIDECAR_FILE} says {sidecar.count}"
         )
     if index.d != sidecar.dims or not 1 <= sidecar.dims <= sidecar.L:
         raise IndexCorruptError(
@@ -475,3 +458,17 @@ def _load_version(folder: Path, version: Path, checkpoint_sha256: str | None, mm
             f"L={sidecar.L}"
         )
     return GalleryIndex(folder, index, sidecar, photos)
+
+
+def _read_table(version: Path) -> tuple[PhotoTable, str]:
+    """The photo table of a version (mapped), or its earlier code's meta.jsonl read into
+    one in memory; and the name of the file it came from."""
+    if (version / TABLE_FILE).is_file() or not (version / META_FILE).is_file():
+        return PhotoTable.open(version), TABLE_FILE  # names what is missing when neither is
+    meta = version / META_FILE
+    try:
+        return PhotoTable.from_photos(iter_meta(meta), str(meta)), META_FILE
+    except FileNotFoundError as err:
+        raise IndexCorruptError(f"index {str(version)!r} is missing {META_FILE}") from err
+    except ValueError as err:  # an id on two rows
+        raise IndexCorruptError(f"{str(meta)!r}: {err}; rebuild the index") from err

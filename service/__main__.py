@@ -14,7 +14,8 @@ import sys
 
 import uvicorn
 
-from index.store import IndexStoreError, read_sidecar
+from index.errors import IndexStoreError
+from index.store import read_sidecar
 from service.main import create_app
 from service.server import server_config
 from service.settings import Settings

@@ -160,13 +160,15 @@ class RetrievalEngine:
         t0 = time.perf_counter()
         scores, rows = self.gallery.search(queries, k)  # (N, k') each
         timings.search = time.perf_counter() - t0
-        photos = self.gallery.photos
-        hits = [
-            [Hit(photos[r].id, photos[r].cls, float(s)) for s, r in zip(srow, rrow, strict=True)
-             if r >= 0]
-            for srow, rrow in zip(scores, rows, strict=True)
-        ]
+        hits = [self._hits(srow, rrow) for srow, rrow in zip(scores, rows, strict=True)]
         return hits, timings
+
+    def _hits(self, scores: np.ndarray, rows: np.ndarray) -> list[Hit]:
+        """Hits of one query from its (k',) scores and rows; only these rows of the photo
+        table are decoded. FAISS marks missing results with row -1."""
+        photos = self.gallery.photos
+        return [Hit(p.id, p.cls, float(s))
+                for s, p in ((s, photos[r]) for s, r in zip(scores, rows, strict=True) if r >= 0)]
 
     def read_photo(self, photo_id: str) -> tuple[bytes, str]:
         """(bytes, media type) of a gallery photo by id; only files below the photo root.
@@ -174,12 +176,18 @@ class RetrievalEngine:
         The path is resolved and must stay below the (resolved) root, which refuses a link
         to elsewhere placed after the build; the file is then opened one real folder at a
         time without following links, so a link swapped in after that check fails too.
-        UnknownPhotoError messages name the id only, never a server path.
+        UnknownPhotoError messages name the id only, never a server path. A table row whose
+        path leaves the root is refused when it is read (`index.table`), before any of this.
         """
-        row = self.gallery.rows.get(photo_id)
+        row = self.gallery.row_of(photo_id)
         if row is None:
             raise UnknownPhotoError(f"no photo with id {photo_id!r} in the index")
-        photo = self.gallery.photos[row]
+        try:
+            photo = self.gallery.photos[row]
+        except IndexCorruptError as err:
+            log.warning("refusing photo %r: %s", photo_id, err)
+            raise UnknownPhotoError(f"photo {photo_id!r} is indexed but its table row is "
+                                    "damaged") from None
         root = Path(self.photos_root or self.gallery.sidecar.photos_root).resolve()
         path = self.gallery.photo_path(photo, self.photos_root)
         real = path.resolve()

@@ -29,7 +29,7 @@ def info(engine: EngineDep, settings: SettingsDep) -> InfoOut:
         L=engine.embedder.L,
         available_dims=DimsRange(min=1, max=engine.dims),
         gallery_size=len(engine.gallery),
-        classes=len({p.cls for p in engine.gallery.photos}),
+        classes=len(engine.gallery.photos.classes),
         index_kind=side.kind,
         metric=side.metric,
         limits=Limits(max_upload_bytes=settings.max_upload_bytes, max_pixels=settings.max_pixels,

@@ -15,16 +15,17 @@ import pytest
 
 from index.add import append_photos
 from index.build import build_index
+from index.errors import IndexStoreError
 from index.store import (
     FLAT_FILES,
     LOCK_FILE,
     POINTER_FILE,
     VERSION_NAME,
-    IndexStoreError,
     current_version,
     load_index,
 )
 from tests.fakes import FakeEmbedder, make_gallery
+from tests.index.earlier import to_meta_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,6 +41,7 @@ def snapshot(folder: Path) -> tuple:
 def flatten(folder: Path) -> None:
     """Turn an index folder into the layout of earlier code: the three files in the folder."""
     version = current_version(folder)
+    to_meta_jsonl(version)
     for name in FLAT_FILES:
         shutil.move(version / name, folder / name)
     for p in folder.iterdir():

@@ -64,7 +64,7 @@ def test_cached_photos_embed_as_the_plain_path(tmp_path, gallery, pretrained, re
                          progress=False, feature_cache=cache)
     assert report.from_cache == 8
     ix = load_index(tmp_path / "ix")
-    assert ix.photos == photos  # same ids, same order
+    assert list(ix.photos) == photos  # same ids, same order
     np.testing.assert_allclose(ix.index.reconstruct_n(0, 15), plain[:, :6], **CLOSE)
 
 

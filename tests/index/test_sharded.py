@@ -18,13 +18,13 @@ from index.compressed import (
     plan_recipe,
     train,
 )
+from index.errors import IndexStoreError
 from index.gallery import Photo, scan_gallery
 from index.search import exact_topk, exact_topk_blocks, pad_queries
 from index.sharded import build_sharded
 from index.shards import Shard, ShardPlan, load_vectors, missing_shards, write_shard
 from index.store import (
     SIDECAR_FILE,
-    IndexStoreError,
     Sidecar,
     current_version,
     load_index,

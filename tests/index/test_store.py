@@ -1,7 +1,9 @@
-"""Index build/load: FAISS against brute force, atomic writes, sidecar checks, append."""
+"""Index build/load: FAISS against brute force, atomic writes, sidecar checks, append, and
+the index folders of earlier code (meta.jsonl) read as before."""
 
 import json
 import os
+import shutil
 import stat
 
 import numpy as np
@@ -12,7 +14,7 @@ import index.build as build_mod
 import index.store as store_mod
 from index import add as add_mod
 from index.build import build_index
-from index.gallery import embed_photos, scan_gallery
+from index.gallery import Photo, embed_photos, scan_gallery
 from index.kinds import KINDS
 from index.search import recall_at_k
 from index.store import (
@@ -29,7 +31,9 @@ from index.store import (
     current_version,
     load_index,
 )
+from index.table import PATHS, TABLE_FILE, TABLE_FILES, PhotoTable
 from tests.fakes import FakeEmbedder, make_gallery
+from tests.index.earlier import to_meta_jsonl
 from training.folders import DataError
 
 
@@ -118,8 +122,8 @@ def test_sidecar_describes_the_index(tmp_path, gallery, embedder):
     assert (raw["L"], raw["dims"], raw["count"], raw["metric"], raw["kind"]) == (
         8, 6, 15, "inner_product", "flat")
     assert raw["backbone"] == "fake-thumbnail" and raw["created"]
-    rows = [json.loads(line) for line in (version / META_FILE).read_text().splitlines()]
-    assert rows[0] == {"id": "c0_0_000", "class": "class0", "path": "class0/c0_0_000.jpg"}
+    assert PhotoTable.open(version)[0] == Photo("c0_0_000", "class0", "class0/c0_0_000.jpg")
+    assert not (version / META_FILE).exists()  # the table is the columns alone
 
 
 def test_failed_write_leaves_no_index_and_keeps_the_old_one(tmp_path, gallery, embedder,
@@ -148,10 +152,35 @@ def test_failed_write_leaves_no_index_and_keeps_the_old_one(tmp_path, gallery, e
     assert sorted(p.name for p in out.iterdir()) == [".lock", "CURRENT", current_version(out).name]
 
 
+def test_a_table_of_another_length_than_the_index_is_not_committed(tmp_path, gallery, embedder):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+    ix = load_index(out, mmap=False)
+    with IndexWriter(out) as writer, pytest.raises(ValueError, match="the photo table has 14 "
+                                                                     "rows; the sidecar says 15"):
+        writer.commit(ix.index, ix.sidecar, list(ix.photos)[:14])
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "CURRENT", current_version(out).name]
+    assert len(load_index(out).photos) == 15
+
+
 def test_half_written_or_inconsistent_index_is_refused(tmp_path, gallery, embedder):
     out = tmp_path / "ix"
     build_index(embedder, gallery, out, "ckpt.pt", progress=False)
     version = current_version(out)
+    paths = version / PATHS
+    paths.write_bytes(paths.read_bytes()[:-10])
+    with pytest.raises(IndexCorruptError, match=rf"'{paths}' holds \d+ bytes, but photos.json "
+                                                "records"):
+        load_index(out)
+    shutil.rmtree(version)
+    build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+    version = current_version(out)
+    (version / TABLE_FILE).unlink()
+    with pytest.raises(IndexCorruptError, match=rf"'{version}' has no photos.json"):
+        load_index(out)
+    build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+    version = current_version(out)
+    to_meta_jsonl(version)
     meta = (version / META_FILE).read_text().splitlines()
     (version / META_FILE).write_text("\n".join(meta[:-1]) + "\n")
     with pytest.raises(IndexCorruptError, match="15 vectors, meta.jsonl 14 rows"):
@@ -190,7 +219,7 @@ def test_append_adds_new_photos_and_equals_a_rebuild(tmp_path, embedder):
     expected = np.concatenate([embed_photos(embedder, root, first, 8, progress=False),
                                embed_photos(embedder, root, added, 8, progress=False)])
     np.testing.assert_allclose(ix.index.reconstruct_n(0, 21), expected, rtol=1e-6)
-    assert ix.photos == first + added  # paths relative to the root, as a build writes them
+    assert list(ix.photos) == first + added  # paths relative to the root, as a build writes
     scores, rows = ix.search(expected[15:], k=1)
     assert np.all(rows[:, 0] >= 15)  # appended photos are found
 
@@ -301,16 +330,20 @@ def test_index_folder_of_earlier_code_is_read_and_converted_by_the_next_write(
     out = tmp_path / "ix"
     build_index(embedder, gallery, out, "ckpt.pt", dims=8, progress=False)
     version = current_version(out)
+    to_meta_jsonl(version)
     for name in (INDEX_FILE, META_FILE, SIDECAR_FILE):  # the flat layout: files in the folder
         (version / name).rename(out / name)
     for p in (version, out / POINTER_FILE, out / ".lock"):
         p.rmdir() if p.is_dir() else p.unlink()
     assert current_version(out) == out and load_index(out).sidecar.count == 15
+    first = [p.id for p in scan_gallery(gallery)[1]]
     make_gallery(gallery, classes=1, per_class=2, seed=7)
     assert add_mod.append_photos(embedder, out, gallery, progress=False).added == 2
     names = sorted(p.name for p in out.iterdir())
     assert names == [".lock", POINTER_FILE, current_version(out).name]
-    assert load_index(out).sidecar.count == 17
+    ix = load_index(out)
+    assert ix.sidecar.count == 17 and (current_version(out) / TABLE_FILE).is_file()
+    assert [p.id for p in ix.photos] == [*first, "c0_7_000", "c0_7_001"]
 
 
 def test_missing_index_names_the_leftover_of_an_interrupted_earlier_rebuild(tmp_path):
@@ -365,6 +398,7 @@ def test_append_refuses_photos_outside_the_index_photo_root(tmp_path, gallery, e
 def test_meta_paths_that_leave_the_photo_root_are_refused(tmp_path, gallery, embedder, path):
     out = tmp_path / "ix"
     build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+    to_meta_jsonl(current_version(out))
     meta = current_version(out) / META_FILE
     rows = [json.loads(line) for line in meta.read_text().splitlines()]
     rows[3]["path"] = path
@@ -386,5 +420,41 @@ def test_index_files_and_folders_are_readable_by_a_service_of_another_user(tmp_p
              for p in [out, version, *out.iterdir(), *version.iterdir()]}
     assert modes == {
         "ix": 0o755, f"ix/{version.name}": 0o755, "ix/.lock": 0o644, "ix/CURRENT": 0o644,
-        **{f"ix/{version.name}/{n}": 0o644 for n in (INDEX_FILE, META_FILE, SIDECAR_FILE)},
+        **{f"ix/{version.name}/{n}": 0o644 for n in (INDEX_FILE, SIDECAR_FILE, *TABLE_FILES)},
     }
+
+
+def test_an_index_of_earlier_code_with_meta_jsonl_serves_the_same_results(tmp_path, gallery,
+                                                                            embedder):
+    """The same version as columns and as meta.jsonl (what earlier code wrote): the same
+    photos in the same rows, the same search results, the same id lookups."""
+    build_index(embedder, gallery, tmp_path / "new", "ckpt.pt", dims=6, progress=False)
+    shutil.copytree(tmp_path / "new", tmp_path / "old")
+    to_meta_jsonl(current_version(tmp_path / "old"))
+    new, old = load_index(tmp_path / "new"), load_index(tmp_path / "old")
+    assert sorted(p.name for p in current_version(tmp_path / "old").iterdir()) == [
+        INDEX_FILE, SIDECAR_FILE, META_FILE]
+    _, photos = scan_gallery(gallery)
+    assert list(new.photos) == list(old.photos) == photos
+    assert new.photos.classes == old.photos.classes == ("class0", "class1", "class2")
+    queries = sketch_queries(embedder)[:, :6]
+    for a, b in zip(new.search(queries, k=5), old.search(queries, k=5), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert [new.row_of(p.id) for p in photos] == [old.row_of(p.id) for p in photos] == list(
+        range(15))
+    assert new.row_of("nope") is old.row_of("nope") is None
+
+
+def test_an_id_on_two_rows_of_meta_jsonl_is_refused(tmp_path, gallery, embedder):
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, "ckpt.pt", progress=False)
+    version = current_version(out)
+    to_meta_jsonl(version)
+    lines = (version / META_FILE).read_text().splitlines()
+    row = json.loads(lines[4])
+    row["id"] = json.loads(lines[1])["id"]
+    lines[4] = json.dumps(row)
+    (version / META_FILE).write_text("\n".join(lines) + "\n")
+    with pytest.raises(IndexCorruptError, match=r"meta.jsonl': photo id 'c0_0_001' is on two "
+                                                r"rows \(1 and 4\)"):
+        load_index(out)

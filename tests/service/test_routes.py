@@ -365,3 +365,35 @@ def test_file_is_opened_without_following_a_link_swapped_in_after_the_check(tmp_
     os.mkfifo(root / "real" / "pipe.jpg")
     with pytest.raises(OSError, match="not a regular file"):
         read_below(root, Path("real/pipe.jpg"))
+
+
+def test_a_table_row_whose_path_leaves_the_root_is_not_served(tmp_path, settings, monkeypatch):
+    """Rows are read lazily, so a table written by other code with a path out of the photo
+    root loads; that photo is refused when asked for, the others are served."""
+    import index.table as table_mod
+    from index.build import build_index
+    from index.store import current_version, load_index
+    from index.table import TABLE_FILES, PhotoTable, write_table
+    from service.engine import RetrievalEngine
+    from tests.fakes import FakeEmbedder, make_gallery
+
+    photos = make_gallery(tmp_path / "photos", classes=2, per_class=2)
+    secret = tmp_path / "secret.jpg"
+    Image.new("RGB", (16, 16), "red").save(secret)
+    embedder = FakeEmbedder(L=8)
+    build_index(embedder, photos, tmp_path / "index", "ckpt.pt", progress=False)
+    version = current_version(tmp_path / "index")
+    rows = list(PhotoTable.open(version))
+    rows[1] = type(rows[1])(rows[1].id, rows[1].cls, "../secret.jpg")
+    for name in TABLE_FILES:
+        (version / name).unlink()
+    monkeypatch.setattr(table_mod, "leaves_root", lambda path: False)  # other code's writer
+    write_table(version, rows)
+    monkeypatch.undo()
+    engine = RetrievalEngine(embedder, load_index(tmp_path / "index"), settings.max_pixels)
+    with TestClient(create_app(settings, loader=lambda s: engine)) as client:
+        r = client.get(f"/photos/{rows[1].id}")
+        assert r.status_code == 404 and secret.read_bytes() not in r.content
+        assert r.json()["detail"] == (f"photo '{rows[1].id}' is indexed but its table row is "
+                                      "damaged")
+        assert client.get(f"/photos/{rows[0].id}").status_code == 200
