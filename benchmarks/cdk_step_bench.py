@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
             for path, augment, cached, workers in (("trunk cache", False, True, 0),
                                                    ("trunk no_grad", False, False, 0),
                                                    ("trunk no_grad + aug", True, False, 0)):
-                cfg = make_config("cpu", finetune=True, trainable_stages=K, augment=augment,
+                cfg = make_config("cpu", finetune=True, flip_average=False,
+                                  trainable_stages=K, augment=augment,
                                   batch_size=B, workers=workers)
                 model, opt, masks, inputs, build, data = _setup(cfg, bb, tr, args.cache_images,
                                                                 cached)
@@ -119,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"{s * spe:>8.1f} {once:>14.1f}", flush=True)
     B, K = int(args.batches.split(",")[0]), 2
     for workers in (1, 2):  # workers 0: the row above
-        cfg = make_config("cpu", finetune=True, trainable_stages=K, augment=True,
-                          batch_size=B, workers=workers)
+        cfg = make_config("cpu", finetune=True, flip_average=False, trainable_stages=K,
+                          augment=True, batch_size=B, workers=workers)
         model, opt, masks, inputs, _, data = _setup(cfg, bb, tr, args.cache_images)
         s = _time_steps(cfg, model, opt, masks, inputs, data, args.steps, args.warmup)
         spe = max(1, n // B)

@@ -73,3 +73,34 @@ def test_packaged_lite_weights_build_offline(name):
         torch.testing.assert_close(bare.module(x), z)
     # the packaged weights are pretrained, not a fresh initialisation
     assert weights_fingerprint(bb.module) != weights_fingerprint(bare_backbone(name).module)
+
+
+@pytest.mark.parametrize("name", ["efficientnet-lite0", "vgg16"])
+def test_flip_average_is_the_mean_over_the_mirror_image(name):
+    from training.cdk.backbones import bare_backbone
+
+    torch.manual_seed(0)
+    plain = bare_backbone(name)
+    flipped = bare_backbone(name, flip_average=True)
+    flipped.module.load_state_dict(plain.module.state_dict())  # same keys: nothing added
+    assert flipped.flip_average and not plain.flip_average
+    x = torch.randn(3, 3, 64, 64)
+    with torch.no_grad():
+        want = 0.5 * (plain.module(x) + plain.module(torch.flip(x, dims=[3])))
+        got = flipped.module(x)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        # the features of an image and of its mirror image are the same
+        torch.testing.assert_close(flipped.module(torch.flip(x, dims=[3])), got, rtol=1e-4,
+                                   atol=1e-5)
+    assert weights_fingerprint(flipped.module) == weights_fingerprint(plain.module)
+
+
+def test_flip_average_gets_its_own_feature_cache_key(tmp_path):
+    from training.cdk.features import cache_key
+
+    f = tmp_path / "a.png"
+    f.write_bytes(b"x")
+    plain = build_backbone("efficientnet-lite0")
+    flipped = build_backbone("efficientnet-lite0", flip_average=True)
+    assert flipped.module.flip_average
+    assert cache_key([f], plain, plain.module, 64) != cache_key([f], flipped, flipped.module, 64)

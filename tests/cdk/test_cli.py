@@ -109,7 +109,8 @@ def test_cli_seeded_determinism_and_lora(tiny, tmp_path):
 def test_cli_finetune_trains_separate_backbones(tiny, tmp_path):
     root, split = tiny
     out = tmp_path / "ft"
-    main(_args(root, split, out, tmp_path / "cache", "--finetune", "true", "--epochs", "1",
+    main(_args(root, split, out, tmp_path / "cache", "--finetune", "true",
+               "--flip-average", "false", "--epochs", "1",
                "--backbone-lr", "0.01"))
     ck = load_checkpoint(out / "checkpoint.pt")
     assert ck["backbone"]["finetuned"]

@@ -79,8 +79,9 @@ def test_cli_parsing_rules(data_dir):
     assert (cfg.L, cfg.hidden, cfg.batch_size, cfg.epochs, cfg.lr, cfg.mu) == \
         (512, 8192, 4096, 10, 5e-3, 16.0)
     assert cfg.momentum == 0.9 and cfg.grad_clip > 0 and cfg.seed == 3 and cfg.k == 100
-    assert parse_args(["--data", "d", "--finetune", "true"]).finetune is True
-    assert parse_args(["--data", "d", "--finetune"]).finetune is True
+    flip = ["--flip-average", "false"]  # fine-tuning takes no mirror-averaged features
+    assert parse_args(["--data", "d", "--finetune", "true", *flip]).finetune is True
+    assert parse_args(["--data", "d", "--finetune", *flip]).finetune is True
     assert parse_args(["--data", "d", "--batch-size", "64", "--backbone-lr", "0.01",
                        "--cache-dir", "c"]) == make_config(data="d", batch_size=64,
                                                            backbone_lr=0.01, cache_dir="c")

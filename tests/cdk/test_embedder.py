@@ -125,3 +125,21 @@ def test_hash_is_of_the_bytes_loaded_even_if_the_file_is_replaced_meanwhile(ckpt
     e = Embedder.from_checkpoint(path, device="cpu")
     assert e.checkpoint_sha256 == hashlib.sha256(loaded).hexdigest()
     assert e.checkpoint_sha256 != hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_mirrored_image_embeds_as_the_image(ckpt, tmp_path):
+    # the cpu preset averages backbone features over the mirror image, and the checkpoint
+    # says so; a checkpoint without the key (earlier code) embeds the image alone
+    e = Embedder.from_checkpoint(ckpt, device="cpu")
+    assert e.flip_average
+    ims = _images()
+    mirrored = [im.transpose(Image.Transpose.FLIP_LEFT_RIGHT) for im in ims]
+    for mod in ("sketch", "photo"):
+        np.testing.assert_allclose(e.embed(mirrored, mod), e.embed(ims, mod), rtol=1e-4,
+                                   atol=1e-5)
+    old = load_checkpoint(ckpt)
+    del old["backbone"]["flip_average"]
+    torch.save(old, tmp_path / "old.pt")
+    e_old = Embedder.from_checkpoint(tmp_path / "old.pt", device="cpu")
+    assert not e_old.flip_average
+    assert not np.allclose(e_old.embed(mirrored, "photo"), e_old.embed(ims, "photo"), atol=1e-3)

@@ -148,6 +148,6 @@ def test_feature_views_are_drawn_per_image_and_resume_exactly(tmp_path, monkeypa
 
 def test_feature_views_are_for_frozen_backbones():
     with pytest.raises(ValueError, match="feature_views"):
-        make_config("cpu", finetune=True, feature_views=2)
+        make_config("cpu", finetune=True, flip_average=False, feature_views=2)
     with pytest.raises(ValueError, match="feature_views"):
         make_config("cpu", feature_views=-1)

@@ -18,6 +18,7 @@ from tests.fakes import FakeEmbedder, make_gallery
 from training.cdk.backbones import build_backbone
 from training.cdk.embedder import Embedder
 from training.cdk.features import cache_key, extract_features, find_cached
+from training.cdk.smoothing import Smoothing
 from training.images import ImageError, load_image
 
 SIZE = 64  # the input size of the real_checkpoint fixture
@@ -27,7 +28,7 @@ CLOSE = {"rtol": 1e-4, "atol": 1e-5}  # batches of other sizes: float rounding o
 @pytest.fixture(scope="module")
 def pretrained():
     """The frozen backbone training.cdk.run builds, whose features training caches."""
-    return build_backbone("efficientnet-lite0")
+    return build_backbone("efficientnet-lite0", flip_average=True)  # the cpu preset's
 
 
 @pytest.fixture
@@ -61,7 +62,7 @@ def test_cached_photos_embed_as_the_plain_path(tmp_path, gallery, pretrained, re
     np.testing.assert_allclose(reused, plain, **CLOSE)
 
     report = build_index(real_embedder, gallery, tmp_path / "ix", real_checkpoint, dims=6,
-                         progress=False, feature_cache=cache)
+                         progress=False, feature_cache=cache, smoothing=Smoothing(k=0))
     assert report.from_cache == 8
     ix = load_index(tmp_path / "ix")
     assert list(ix.photos) == photos  # same ids, same order
@@ -130,7 +131,7 @@ def test_fine_tuned_checkpoint_embeds_every_photo_with_its_backbone(tmp_path, ga
     assert cached_features(tuned, root, photos, cache)[0] == []
 
     report = build_index(tuned, gallery, tmp_path / "ix", tuned_checkpoint, progress=False,
-                         feature_cache=cache, workers=2)
+                         feature_cache=cache, workers=2, smoothing=Smoothing(k=0))
     assert report.from_cache == 0
     expected = tuned.embed([load_image(f) for f in files], "photo")  # (15, 8)
     np.testing.assert_allclose(load_index(tmp_path / "ix").index.reconstruct_n(0, 15),
@@ -165,7 +166,9 @@ def test_commands_read_the_checkpoints_cache_unless_told_not_to(tmp_path, galler
     monkeypatch.chdir(tmp_path)  # the checkpoint's cache_dir is relative, as training's
     root, photos, files = listing(gallery)
     train_cache(pretrained, files, ".cache/cdk-features")
-    common = ["--checkpoint", str(real_checkpoint), "--no-progress", "--threads", "1"]
+    # plain embeddings: an index grown by index.add equals one built at once only unsmoothed
+    common = ["--checkpoint", str(real_checkpoint), "--no-progress", "--threads", "1",
+              "--smooth-k", "0"]
     assert build_mod.main([*common, "--photos", str(gallery), "--out", "ix"]) == 0
     assert "backbone features of 15 of 15 photos from the feature cache .cache/cdk-features" \
         in capsys.readouterr().out

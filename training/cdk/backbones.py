@@ -1,5 +1,5 @@
 """Image backbones: a registry of pretrained CNNs that map (N, 3, H, W) images to (N, D)
-globally average-pooled features.
+globally average-pooled features, optionally averaged with those of the mirrored image.
 
 Each entry builds the network with its weights and says how images must be normalised.
 Adding a backbone touches only ``BACKBONES``.
@@ -27,14 +27,24 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class PooledFeatures(nn.Module):
-    """Convolutional trunk followed by global average pooling: (N, 3, H, W) -> (N, D)."""
+    """Convolutional trunk followed by global average pooling: (N, 3, H, W) -> (N, D).
 
-    def __init__(self, trunk: nn.Module):
+    flip_average: the mean of the features of each image and of its left-right mirror image
+    (both through the trunk in one batch of 2N). An object and its mirror image are the same
+    object, and a sketch is drawn facing either way: on split 2's validation classes the
+    heads on mirror-averaged Lite1 features retrieve better (mAP 0.468 and 0.455 against
+    0.441 and 0.436 on two seeds; README). Holds no parameter: the state dict is the same."""
+
+    def __init__(self, trunk: nn.Module, flip_average: bool = False):
         super().__init__()
         self.trunk = trunk
+        self.flip_average = bool(flip_average)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.trunk(x).mean(dim=(2, 3))
+        if not self.flip_average:
+            return self.trunk(x).mean(dim=(2, 3))
+        both = self.trunk(torch.cat([x, x.flip(3)])).mean(dim=(2, 3))  # (2N, D)
+        return both.unflatten(0, (2, -1)).mean(0)  # (N, D); no len(x): exports with any N
 
 
 class _EfficientNetTrunk(nn.Module):
@@ -56,6 +66,7 @@ class Backbone:
     feature_dim: int
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    flip_average: bool = False  # features averaged with the mirror image's (PooledFeatures)
 
 
 def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
@@ -153,24 +164,26 @@ BACKBONES: dict[str, Callable[[str | None], tuple[nn.Module, int]]] = {
 }
 
 
-def build_backbone(name: str, weights: str | None = None) -> Backbone:
+def build_backbone(name: str, weights: str | None = None, flip_average: bool = False
+                   ) -> Backbone:
     """Build backbone ``name`` with pretrained weights (packaged / torchvision) or with the
     state dict stored in the file ``weights``. Returned in eval mode on the CPU."""
     if name not in BACKBONES:
         raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(BACKBONES)}")
     module, dim = BACKBONES[name](weights or None)
-    return Backbone(name, module.eval(), dim, IMAGENET_MEAN, IMAGENET_STD)
+    module.flip_average = bool(flip_average)
+    return Backbone(name, module.eval(), dim, IMAGENET_MEAN, IMAGENET_STD, bool(flip_average))
 
 
-def bare_backbone(name: str) -> Backbone:
+def bare_backbone(name: str, flip_average: bool = False) -> Backbone:
     """The architecture of ``name`` without loading weights (to receive a stored state)."""
     if name in _LITE_WEIGHTS:
-        module, dim = PooledFeatures(_EfficientNetTrunk(_bare_lite(name))), 1280
+        module, dim = PooledFeatures(_EfficientNetTrunk(_bare_lite(name)), flip_average), 1280
     elif name == "vgg16":
-        module, dim = PooledFeatures(_vgg16_trunk()), 512
+        module, dim = PooledFeatures(_vgg16_trunk(), flip_average), 512
     else:
         raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(BACKBONES)}")
-    return Backbone(name, module.eval(), dim, IMAGENET_MEAN, IMAGENET_STD)
+    return Backbone(name, module.eval(), dim, IMAGENET_MEAN, IMAGENET_STD, bool(flip_average))
 
 
 def weights_fingerprint(module: nn.Module) -> str:

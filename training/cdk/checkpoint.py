@@ -4,7 +4,7 @@ Layout (a dict saved with torch.save)::
 
     format: "sketchsvd-cdk", version: 1
     config: Config as a dict (how it was built; loaders need no flags)
-    backbone: {name, feature_dim, image_size, mean, std, finetuned}
+    backbone: {name, feature_dim, image_size, mean, std, finetuned, flip_average}
     backbones: {"sketch": state_dict, "photo": state_dict}   (shared storage if frozen)
     heads: {"sketch": state_dict, "photo": state_dict}, head_arch: {in_dim, hidden, L, mu}
     singular_values: (L,) float32; trained: bool; epoch: int
@@ -76,6 +76,7 @@ def save_checkpoint(
             "mean": list(backbone.mean),
             "std": list(backbone.std),
             "finetuned": bool(finetuned),
+            "flip_average": bool(backbone.flip_average),
         },
         "backbones": bb_state,
         "heads": {mod: cpu_state(heads[mod]) for mod in MODALITIES},
@@ -152,7 +153,7 @@ def init_checkpoint(
         "cpu", backbone=backbone, L=L, hidden=hidden, seed=seed,
         backbone_weights=backbone_weights or "", image_size=image_size,
     )
-    bb = build_backbone(backbone, backbone_weights)
+    bb = build_backbone(backbone, backbone_weights, cfg.flip_average)
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:

@@ -46,6 +46,9 @@ class Config:
     backbone: str = "efficientnet-lite1"
     backbone_weights: str = ""  # local state-dict file; empty: packaged/torchvision weights
     image_size: int = 0  # 0: the backbone's native size (backbones.NATIVE_SIZE; 240 here)
+    # frozen backbones: features averaged with those of the mirrored image (twice the
+    # backbone's cost per image, in training, indexing and each query; chosen on validation)
+    flip_average: bool = True
     finetune: bool = False  # train the backbones with the heads (else cached frozen features)
     backbone_lr: float = 1e-4  # SGD lr of the backbones when finetuning
     trainable_stages: int = 0  # finetune: the last K blocks (+ final conv) train; 0: all
@@ -116,6 +119,7 @@ PRESETS: dict[str, dict] = {
         "k": 100,
         "backbone": "vgg16",
         "finetune": True,
+        "flip_average": False,
         "workers": 8,
     },
 }
@@ -123,8 +127,8 @@ DEFAULT_PRESET = "cpu"
 
 # Fields that older checkpoints lack, with the value they were trained with where today's
 # default differs (joint nesting used uniform weights before the field existed; their
-# indexes were built without gallery smoothing).
-LEGACY = {"nesting_weights": "uniform", "smooth_k": 0}
+# indexes were built without gallery smoothing, from features of the image alone).
+LEGACY = {"nesting_weights": "uniform", "smooth_k": 0, "flip_average": False}
 
 
 def nesting_weights(cfg: Config):
@@ -162,6 +166,9 @@ def _check(cfg: Config) -> Config:
         raise ValueError(f"backbone must be one of {sorted(BACKBONES)}, got {cfg.backbone!r}")
     if cfg.bn not in BN_POLICIES:
         raise ValueError(f"bn must be one of {BN_POLICIES}, got {cfg.bn!r}")
+    if cfg.finetune and cfg.flip_average:
+        raise ValueError("flip_average applies to frozen backbones; pass --flip-average false "
+                         "with --finetune (fine-tuning augments with flips)")
     if cfg.finetune and cfg.feature_views:
         raise ValueError("feature_views applies to frozen backbones; fine-tuning augments "
                          "with --augment")

@@ -43,7 +43,8 @@ class Embedder:
     """Sketch/photo embedder rebuilt from a checkpoint alone.
 
     Attributes: L, backbone (name), singular_values (L,), config (dict), checkpoint_sha256,
-    device, image_size, trained, finetuned (the backbones were trained with the heads).
+    device, image_size, trained, finetuned (the backbones were trained with the heads),
+    flip_average (backbone features averaged with the mirror image's).
     """
 
     def __init__(self, ckpt: dict, sha256: str, device=None, source: str = "checkpoint"):
@@ -52,6 +53,8 @@ class Embedder:
         self.backbone: str = meta["name"]
         self.image_size: int = int(meta["image_size"])
         self._mean, self._std = tuple(meta["mean"]), tuple(meta["std"])
+        # features averaged with the mirror image's (absent from earlier checkpoints: off)
+        self.flip_average: bool = bool(meta.get("flip_average", False))
         self.config: dict = dict(ckpt["config"])
         self.checkpoint_sha256: str = sha256
         self.trained: bool = bool(ckpt["trained"])
@@ -66,7 +69,7 @@ class Embedder:
             if shared and mod == "photo":
                 self._backbones[mod] = self._backbones["sketch"]
                 continue
-            bb = bare_backbone(self.backbone)
+            bb = bare_backbone(self.backbone, self.flip_average)
             _load_weights(bb.module, ckpt["backbones"][mod], f"{source!r} {mod} backbone")
             self._backbones[mod] = bb
         self._heads: dict[str, Head] = {}

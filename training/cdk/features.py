@@ -37,6 +37,8 @@ def cache_key(files, backbone: Backbone, module: torch.nn.Module, image_size: in
     weights = weights_fingerprint(module) if fingerprint is None else fingerprint
     head = {"v": _VERSION, "name": backbone.name, "weights": weights,
             "size": image_size, "mean": backbone.mean, "std": backbone.std}
+    if backbone.flip_average:  # absent otherwise: the keys of earlier caches still hold
+        head["flip_average"] = True
     h.update(json.dumps(head, sort_keys=True).encode())
     for f in files:
         st = Path(f).stat()

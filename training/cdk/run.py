@@ -29,6 +29,7 @@ from .metrics import (
     structure_curves,
 )
 from .plots import plot_gallery, plot_spectrum, plot_structure
+from .smoothing import smooth
 from .splits import split_classes
 from .train import TrainData, TrainResult, train
 from .views import view_features
@@ -47,7 +48,7 @@ def run(cfg: Config) -> dict:
     device = distributed.init_from_env()
     out = Path(cfg.out)
     split, tr, va, te = load_data(cfg)
-    bb = build_backbone(cfg.backbone, cfg.backbone_weights or None)
+    bb = build_backbone(cfg.backbone, cfg.backbone_weights or None, cfg.flip_average)
     # rank 0 fills the feature cache, the other ranks then read it
     tr_s, tr_p = distributed.main_first(
         lambda: (_features(cfg, bb, tr.sketches, "train sketches", device),
@@ -245,6 +246,8 @@ def write_plots(cfg: Config, te: Dataset, res: TrainResult, ev: Evaluation, out:
                     "raw features, all dims, cosine": {d: ev.raw for d in most}},
                    out / "structure.png")
     plot_spectrum(res.singular_values, out / "spectrum.png")
-    plot_gallery(ev.f.numpy(), ev.g.numpy(), te.sketch_labels, te.photo_labels, te.sketches,
+    # the photos as an index of them returns them: smoothed when the config smooths
+    gallery = smooth(ev.g, smoothing(cfg))
+    plot_gallery(ev.f.numpy(), gallery.numpy(), te.sketch_labels, te.photo_labels, te.sketches,
                  te.photos, out / "gallery.png", cfg.gallery_queries, cfg.gallery_topk,
                  cfg.seed)
