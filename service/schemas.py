@@ -76,6 +76,8 @@ class InfoOut(BaseModel):
     checkpoint_sha256: str
     backbone: str
     encoder: str  # what embeds query sketches: onnxruntime or torch
+    mirror_queries: bool  # each sketch averaged with its mirror image (two backbone passes)
+    gallery_smoothing: dict  # the index's smoothing of photos ({k, weight, rounds}; {}: none)
     L: int
     available_dims: DimsRange
     gallery_size: int

@@ -20,6 +20,7 @@ class FakeEmbedder:
         self.config = {"L": L, "seed": seed}
         self.checkpoint_sha256 = hashlib.sha256(f"{tag}-{L}-{seed}".encode()).hexdigest()
         self.device = torch.device("cpu")
+        self.flip_average = self.trained_flip_average = False
         g = torch.Generator().manual_seed(seed)
         self.singular_values = torch.linspace(1.0, 0.1, L)
         self._proj = {

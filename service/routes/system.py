@@ -26,6 +26,8 @@ def info(engine: EngineDep, settings: SettingsDep) -> InfoOut:
         checkpoint_sha256=side.checkpoint_sha256,
         backbone=engine.embedder.backbone,
         encoder=engine.encoder.name,
+        mirror_queries=engine.embedder.flip_average,
+        gallery_smoothing=side.smoothing,
         L=engine.embedder.L,
         available_dims=DimsRange(min=1, max=engine.dims),
         gallery_size=len(engine.gallery),

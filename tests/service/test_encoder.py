@@ -171,3 +171,33 @@ def test_index_folder_with_an_encoder_stays_replaceable(tmp_path, real_index, re
     (index / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="notes.txt"):
         check_replaceable(index)
+
+
+def test_single_view_queries_of_a_mirror_averaging_checkpoint(real_checkpoint, real_embedder,
+                                                             real_index, small_sketches,
+                                                             tmp_path):
+    # the real checkpoint averages every image with its mirror image (the cpu preset);
+    # --no-mirror-queries embeds sketches alone: the pooled features of the trunk alone
+    assert real_embedder.flip_average and real_embedder.trained_flip_average
+    single = Embedder.from_checkpoint(real_checkpoint, device="cpu", flip_average=False)
+    assert not single.flip_average and single.trained_flip_average
+    batch = sketch_batch(single, small_sketches)
+    trunk = single.backbone_of("sketch").module.trunk
+    with torch.no_grad():
+        want = single.head(trunk(batch).mean(dim=(2, 3)), "sketch").numpy()
+    got = TorchEncoder(single)(batch)
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+    assert not np.allclose(got, TorchEncoder(real_embedder)(batch), atol=1e-3)
+    # its ONNX graph: own file, same numbers, and not taken for the mirror-averaging one
+    index = tmp_path / "index"
+    shutil.copytree(real_index, index)
+    onnx = load_or_export(single, index)
+    path = encoder_path(index, single.checkpoint_sha256, single_view=True)
+    assert path.is_file() and not encoder_path(index, single.checkpoint_sha256).exists()
+    np.testing.assert_allclose(onnx(batch), want, atol=ATOL, rtol=RTOL)
+    with pytest.raises(EncoderMismatchError, match="flip_average"):
+        OnnxEncoder(path, single.checkpoint_sha256, flip_average=True)
+    # the service setting reaches the engine and /info
+    engine = load_engine(Settings(index=index, checkpoint=real_checkpoint,
+                                  mirror_queries=False, encoder="torch"))
+    assert not engine.embedder.flip_average

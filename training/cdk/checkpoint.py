@@ -145,6 +145,7 @@ def init_checkpoint(
     seed: int = 0,
     backbone_weights: str | None = None,
     image_size: int = 224,
+    flip_average: bool = True,
 ) -> Path:
     """Write a complete but untrained checkpoint in seconds: real pretrained backbone
     weights, randomly initialised heads (seeded), singular values set to ones, and
@@ -152,6 +153,7 @@ def init_checkpoint(
     cfg = make_config(
         "cpu", backbone=backbone, L=L, hidden=hidden, seed=seed,
         backbone_weights=backbone_weights or "", image_size=image_size,
+        flip_average=flip_average,
     )
     bb = build_backbone(backbone, backbone_weights, cfg.flip_average)
     gen_state = torch.random.get_rng_state()

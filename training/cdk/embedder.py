@@ -44,17 +44,23 @@ class Embedder:
 
     Attributes: L, backbone (name), singular_values (L,), config (dict), checkpoint_sha256,
     device, image_size, trained, finetuned (the backbones were trained with the heads),
-    flip_average (backbone features averaged with the mirror image's).
+    flip_average (backbone features averaged with the mirror image's), trained_flip_average
+    (whether the checkpoint was trained so).
     """
 
-    def __init__(self, ckpt: dict, sha256: str, device=None, source: str = "checkpoint"):
+    def __init__(self, ckpt: dict, sha256: str, device=None, source: str = "checkpoint",
+                 flip_average: bool | None = None):
         self.device = pick_device(device)
         meta = ckpt["backbone"]
         self.backbone: str = meta["name"]
         self.image_size: int = int(meta["image_size"])
         self._mean, self._std = tuple(meta["mean"]), tuple(meta["std"])
-        # features averaged with the mirror image's (absent from earlier checkpoints: off)
-        self.flip_average: bool = bool(meta.get("flip_average", False))
+        # features averaged with the mirror image's as trained (absent from earlier
+        # checkpoints: off); ``flip_average`` False embeds images alone even so (a query
+        # costs one backbone pass instead of two, at some accuracy)
+        self.trained_flip_average: bool = bool(meta.get("flip_average", False))
+        self.flip_average: bool = (self.trained_flip_average if flip_average is None
+                                   else bool(flip_average) and self.trained_flip_average)
         self.config: dict = dict(ckpt["config"])
         self.checkpoint_sha256: str = sha256
         self.trained: bool = bool(ckpt["trained"])
@@ -81,12 +87,14 @@ class Embedder:
             bb.module.to(self.device).eval()
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, device=None) -> Embedder:
+    def from_checkpoint(cls, path: str | Path, device=None, flip_average: bool | None = None
+                        ) -> Embedder:
         """Rebuild backbones and heads from ``path``; ValueError if it is not a CDK checkpoint.
-        The hash is of the bytes loaded (one read), not of a second read of the file."""
+        The hash is of the bytes loaded (one read), not of a second read of the file.
+        ``flip_average``: None as trained; False: images alone (see the attribute)."""
         path = Path(path)
         ckpt, sha256 = read_checkpoint(path)
-        return cls(ckpt, sha256, device, source=str(path))
+        return cls(ckpt, sha256, device, source=str(path), flip_average=flip_average)
 
     def preprocess(self, images: list[Image.Image], modality: str) -> torch.Tensor:
         """PIL images (any mode; transparent sketch pixels -> white) -> (N, 3, H, W) on device."""

@@ -8,8 +8,10 @@ CPU through this graph, exported once from the checkpoint with `torch.onnx.expor
 
     <index>/encoders/sketch-<first 16 hex of the checkpoint sha256>.onnx
 
-The file records the full checkpoint hash, the modality and L in its metadata; loading it
-for another checkpoint is an EncoderMismatchError that names both hashes. ONNX Runtime
+The file records the full checkpoint hash, the modality, L and whether it averages over the
+mirror image in its metadata; loading it for another checkpoint (or mirror setting) is an
+EncoderMismatchError that names both values. A mirror-averaging checkpoint served with
+single-view queries has its own file, ``<modality>-<sha16>-single-view.onnx``. ONNX Runtime
 computes in float32 as PyTorch does (embeddings agree to ~1e-6; tests/service/test_encoder.py).
 OpenVINO's CPU plugin is as fast as ONNX Runtime in float32 and about 1.8x faster only in
 its default bf16 precision on CPUs that have it, which moves embeddings by ~3% of their
@@ -64,13 +66,21 @@ def export_encoder(embedder, modality: str = "sketch") -> bytes:
     program.model.metadata_props.update({
         "format": FORMAT, "checkpoint_sha256": embedder.checkpoint_sha256,
         "modality": modality, "L": str(embedder.L), "image_size": str(size),
+        "flip_average": str(bool(getattr(embedder, "flip_average", False))),
     })
     return program.model_proto.SerializeToString()
 
 
-def encoder_path(index: str | Path, checkpoint_sha256: str, modality: str = "sketch") -> Path:
-    """Where the exported encoder of a checkpoint is cached for the index folder `index`."""
-    return Path(index) / "encoders" / f"{modality}-{checkpoint_sha256[:16]}.onnx"
+def encoder_path(index: str | Path, checkpoint_sha256: str, modality: str = "sketch",
+                 single_view: bool = False) -> Path:
+    """Where the exported encoder of a checkpoint is cached for the index folder `index`
+    (`single_view`: the graph of a mirror-averaging checkpoint that embeds images alone)."""
+    tail = "-single-view" if single_view else ""
+    return Path(index) / "encoders" / f"{modality}-{checkpoint_sha256[:16]}{tail}.onnx"
+
+
+def _single_view(embedder) -> bool:
+    return bool(getattr(embedder, "trained_flip_average", False)) and not embedder.flip_average
 
 
 class OnnxEncoder:
@@ -81,7 +91,8 @@ class OnnxEncoder:
     name = "onnxruntime"
 
     def __init__(self, model: bytes | str | Path, checkpoint_sha256: str,
-                 modality: str = "sketch", threads: int = 1, source: str = "encoder"):
+                 modality: str = "sketch", threads: int = 1, source: str = "encoder",
+                 flip_average: bool | None = None):
         import onnxruntime as ort  # local: training and the torch path do not need it
 
         opts = ort.SessionOptions()
@@ -96,6 +107,9 @@ class OnnxEncoder:
         meta = self.session.get_modelmeta().custom_metadata_map
         expected = {"format": FORMAT, "checkpoint_sha256": checkpoint_sha256,
                     "modality": modality}
+        if flip_average is not None:  # graphs of earlier code lack the key: no mirror
+            meta = {**meta, "flip_average": meta.get("flip_average", "False")}
+            expected["flip_average"] = str(bool(flip_average))
         wrong = {k: meta.get(k) for k, v in expected.items() if meta.get(k) != v}
         if wrong:
             raise EncoderMismatchError(
@@ -120,11 +134,11 @@ def load_or_export(embedder, index: str | Path, threads: int = 1,
     (EncoderMismatchError). An index folder that cannot be written (a read-only volume)
     gets an encoder exported into memory, with a warning: nothing is lost but the start-up
     time of the next start."""
-    path = encoder_path(index, embedder.checkpoint_sha256, modality)
-    sha = embedder.checkpoint_sha256
+    path = encoder_path(index, embedder.checkpoint_sha256, modality, _single_view(embedder))
+    sha, flip = embedder.checkpoint_sha256, bool(getattr(embedder, "flip_average", False))
     if path.is_file():
         log.info("%s encoder from %s", modality, path)
-        return OnnxEncoder(path, sha, modality, threads, source=str(path))
+        return OnnxEncoder(path, sha, modality, threads, source=str(path), flip_average=flip)
     log.info("exporting the %s encoder to ONNX (once per checkpoint)", modality)
     data = export_encoder(embedder, modality)
     try:
@@ -133,4 +147,5 @@ def load_or_export(embedder, index: str | Path, threads: int = 1,
     except OSError as err:
         log.warning("cannot save the exported encoder at %s (%s): using it from memory; "
                     "the next start exports it again", path, err)
-    return OnnxEncoder(data, sha, modality, threads, source=f"exported {modality} encoder")
+    return OnnxEncoder(data, sha, modality, threads, source=f"exported {modality} encoder",
+                       flip_average=flip)
