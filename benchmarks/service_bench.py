@@ -4,6 +4,7 @@ for each sketch encoder (PyTorch and ONNX Runtime) in the same run.
     python benchmarks/service_bench.py                       # builds runs/bench/index once
     python benchmarks/service_bench.py --index runs/index    # an existing index
     python benchmarks/service_bench.py --encoders onnx       # one encoder only
+    python benchmarks/service_bench.py --encoders onnx --flip-average false true  # mirror cost
 
 For each encoder, starts `python -m service` as a separate process on a free local port,
 sends a fixed number of `POST /retrieve` requests at each concurrency (1, 4, 16), and prints
@@ -45,7 +46,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare_index(out: Path, data: Path, classes: int | None) -> Path:
+def prepare_index(out: Path, data: Path, classes: int | None, flip_average: bool = True
+                  ) -> Path:
     """An index over sketchy-mini photos from a cpu-preset-shaped untrained checkpoint."""
     if (out / "index" / "CURRENT").is_file():
         return out / "index"
@@ -67,7 +69,7 @@ def prepare_index(out: Path, data: Path, classes: int | None) -> Path:
                 if not copy.exists():
                     shutil.copyfile(f, copy)
     ckpt = init_checkpoint(out / "checkpoint.pt", backbone="efficientnet-lite1", L=256,
-                           hidden=1024, image_size=240)
+                           hidden=1024, image_size=240, flip_average=flip_average)
     build_index(Embedder.from_checkpoint(ckpt, device="cpu"), photos, out / "index", ckpt)
     return out / "index"
 
@@ -210,13 +212,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="server threads per forward")
     p.add_argument("--slots", type=int, default=2, help="server concurrent forwards")
     p.add_argument("--batch", type=int, default=8, help="sketches per /retrieve/batch request")
+    p.add_argument("--flip-average", nargs="+", choices=("true", "false"), default=["true"],
+                   help="built index only: the checkpoint averages features over the mirror "
+                        "image (the cpu preset) or not; both: compared in one run")
     args = p.parse_args(argv)
 
-    index = args.index or prepare_index(args.work, args.data, args.classes)
     bodies = sketches(args.data)
-    results = {enc: run_server(index, enc, args, bodies) for enc in args.encoders}
-    if len(results) == 2:
-        (a, ra), (b, rb) = results.items()
+    results = {}
+    for mirror in args.flip_average:
+        flip = mirror == "true"
+        # the built checkpoint's features: each image's, or averaged with its mirror image's
+        # (training's --flip-average; two backbone passes a sketch)
+        index = args.index or prepare_index(args.work / f"mirror-{mirror}", args.data,
+                                            args.classes, flip)
+        for enc in args.encoders:
+            results[f"{enc}" + ("" if args.index else f", mirror {mirror}")] = run_server(
+                index, enc, args, bodies)
+        if args.index:
+            break
+    (a, ra), *others = results.items()
+    for b, rb in others:
         print(f"\n{b} vs {a}, same run:")
         for c in args.concurrency:
             (pa50, pa99, qa), (pb50, pb99, qb) = ra["load"][c], rb["load"][c]
