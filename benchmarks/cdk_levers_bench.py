@@ -1,0 +1,224 @@
+"""Cheap levers on frozen features, compared on the validation classes only: what the heads
+see (mirror-averaged features, thickened sketch strokes, the last block's pooled output
+beside the final features, mirrored views as training augmentation), the joint-nesting
+weights, and the gallery smoothing grid; and whether sorting the learned modes by their
+estimated singular values makes better prefixes.
+
+Backbone features of every image are computed once (plain and mirrored, with forward hooks
+for the last block) and kept in OUT/features.pt; each variant then trains the cpu preset's
+heads (training.cdk.train) on its features and is scored on the validation classes. No test
+class is embedded: this chooses, the training command reports.
+
+    python -m benchmarks.cdk_levers_bench --data ../shared/data/sketchy-mini \\
+        --out runs/cdk-levers-bench --seeds 0 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import ImageFilter
+
+import training.cdk.train as train_mod
+from training.allocator import tune_allocator
+from training.cdk.backbones import NATIVE_SIZE, Backbone, build_backbone
+from training.cdk.config import Config
+from training.cdk.data import scan
+from training.cdk.metrics import retrieval_metrics, spectrum_order
+from training.cdk.run import embed_features
+from training.cdk.smoothing import Smoothing, smooth
+from training.cdk.splits import split_classes
+from training.cdk.train import TrainData
+from training.images import images_to_tensor, load_image
+
+# name -> (sketch feature set, feature keys joined, training options)
+VARIANTS = {
+    "plain": ("sketch", ["gap"], {}),
+    "mirror-averaged": ("sketch", ["gap"], {"flip": "both"}),
+    "mirror-averaged photos only": ("sketch", ["gap"], {"flip": "photo"}),
+    "mirror-averaged sketches only": ("sketch", ["gap"], {"flip": "sketch"}),
+    "mirrored views in training": ("sketch", ["gap"], {"views": True}),
+    "strokes thickened (3x3 min filter)": ("thick", ["gap"], {}),
+    "strokes thickened, mirror-averaged": ("thick", ["gap"], {"flip": "both"}),
+    "+ last block pooled": ("sketch", ["gap", "last"], {}),
+    "mirror-averaged, weights 1/max(l,16)": ("sketch", ["gap"], {"flip": "both", "cap": 16}),
+    "mirror-averaged, weights 1/max(l,32)": ("sketch", ["gap"], {"flip": "both", "cap": 32}),
+}
+
+
+@torch.no_grad()
+def _features(files, backbone: Backbone, size: int, transform, desc: str) -> dict:
+    """{"gap", "last", "flip_gap", "flip_last"}: (N, D) pooled final features and the last
+    block's pooled output, of each image and of its mirror image."""
+    net = backbone.module.trunk.net
+    tap = {}
+    net._blocks[-1].register_forward_hook(lambda m, a, o: tap.__setitem__("last", o))
+    out: dict[str, list] = {}
+    t0 = time.perf_counter()
+    for i in range(0, len(files), 64):
+        x = images_to_tensor([transform(load_image(f)) for f in files[i : i + 64]], size,
+                             backbone.mean, backbone.std)
+        for prefix, view in (("", x), ("flip_", x.flip(3))):
+            final = net.extract_features(view)
+            out.setdefault(prefix + "gap", []).append(final.mean((2, 3)))
+            out.setdefault(prefix + "last", []).append(tap["last"].mean((2, 3)))
+    net._blocks[-1]._forward_hooks.clear()
+    print(f"  {desc}: {len(files)} images in {time.perf_counter() - t0:.0f}s", flush=True)
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+def _thicken(im):
+    return im.convert("L").filter(ImageFilter.MinFilter(3)).convert("RGB")
+
+
+def load_features(data: str, out: Path, backbone: str) -> dict:
+    path = out / "features.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=False)
+    ds = scan(data)
+    bb = build_backbone(backbone)
+    size = NATIVE_SIZE[backbone]
+    feats = {
+        "classes": list(ds.classes), "size": size,
+        "sketch_labels": np.asarray(ds.sketch_labels), "photo_labels": np.asarray(ds.photo_labels),
+        "photo": _features(ds.photos, bb, size, lambda im: im, "photos"),
+        "sketch": _features(ds.sketches, bb, size, lambda im: im, "sketches"),
+        "thick": _features(ds.sketches, bb, size, _thicken, "sketches, strokes thickened"),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(feats, path)
+    return feats
+
+
+def _pick(F: dict, mod: str, keys: list[str], flip: bool, prefix: str = "") -> torch.Tensor:
+    parts = []
+    for k in keys:
+        x = F[mod][prefix + k]
+        parts.append(0.5 * (x + F[mod]["flip_" + k]) if flip else x)
+    return torch.cat(parts, 1)
+
+
+def run_variant(F: dict, name: str, seed: int, split: str) -> dict:
+    sketch_set, keys, opt = VARIANTS[name]
+    flip = opt.get("flip", "none")
+    S = _pick(F, sketch_set, keys, flip in ("both", "sketch"))
+    P = _pick(F, "photo", keys, flip in ("both", "photo"))
+    sl, pl = F["sketch_labels"], F["photo_labels"]
+    parts = split_classes(split, F["classes"])
+    index = {c: i for i, c in enumerate(F["classes"])}
+
+    def rows(which):
+        ids = [index[c] for c in parts[which]]
+        return np.isin(sl, ids), np.isin(pl, ids)
+
+    (ts, tp), (vs, vp) = rows("train"), rows("valid")
+    relabel = {c: i for i, c in enumerate(np.unique(sl[ts]))}
+    data = TrainData(S[ts], P[tp], np.array([relabel[c] for c in sl[ts]]),
+                     np.array([relabel[c] for c in pl[tp]]))
+    if opt.get("views"):  # the mirrored images' features as a second view to draw from
+        data.sketch_views = _pick(F, sketch_set, keys, False, "flip_")[ts][None]
+        data.photo_views = _pick(F, "photo", keys, False, "flip_")[tp][None]
+    cfg = dataclasses.replace(Config(image_size=F["size"]), seed=seed, out="")
+    backbone = Backbone("features", torch.nn.Identity(), S.shape[1], (0, 0, 0), (1, 1, 1))
+    own = train_mod.nesting_weights
+    if "cap" in opt:  # w_l = 1 / max(l, cap): the first cap modes weighted alike
+        capped = 1.0 / torch.arange(1, cfg.L + 1, dtype=torch.float64).clamp_min(opt["cap"])
+        train_mod.nesting_weights = lambda c: capped
+    t0 = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            res = train_mod.train(cfg, data, backbone, tmp, device="cpu")
+    finally:
+        train_mod.nesting_weights = own
+    seconds = time.perf_counter() - t0
+    dev = torch.device("cpu")
+    f = embed_features(res.heads["sketch"], S[vs], dev)
+    g = embed_features(res.heads["photo"], P[vp], dev)
+    labels = (sl[vs], pl[vp])
+    full = retrieval_metrics(f, g, *labels, cfg.k)
+    by_d = {d: retrieval_metrics(f[:, :d], g[:, :d], *labels, cfg.k)["map_all"]
+            for d in (1, 2, 4, 8, 16, 32, 64)}
+    order = torch.argsort(-res.singular_values, stable=True)  # modes sorted by sigma
+    sorted_d = {d: retrieval_metrics(f[:, order[:d]], g[:, order[:d]], *labels,
+                                     cfg.k)["map_all"] for d in (1, 2, 4, 8, 16, 32, 64)}
+    sm = retrieval_metrics(f, smooth(g, Smoothing()), *labels, cfg.k)
+    return {"variant": name, "seed": seed, "valid_map": full["map_all"],
+            "valid_p10": full["precision_at_k"], "d16_share": by_d[16] / full["map_all"],
+            "max_swap_top32": spectrum_order(res.singular_values)["max_swap"],
+            "smoothed_valid_map": sm["map_all"], "smoothed_valid_p10": sm["precision_at_k"],
+            "map_by_dims": by_d, "map_by_dims_sorted_by_sigma": sorted_d,
+            "train_seconds": seconds, "embeddings": (f, g, labels)}
+
+
+def smoothing_grid(f, g, labels, k: int) -> list[dict]:
+    rows = []
+    for rounds in (1, 2, 3):
+        for nb in (5, 10, 15):
+            for w in (1.0, 2.0, 4.0, 8.0):
+                m = retrieval_metrics(f, smooth(g, Smoothing(nb, w, rounds)), *labels, k)
+                rows.append({"rounds": rounds, "k": nb, "weight": w, "map": m["map_all"]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.cdk_levers_bench",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="../shared/data/sketchy-mini")
+    ap.add_argument("--split", default="sketchy2")
+    ap.add_argument("--backbone", default="efficientnet-lite1")
+    ap.add_argument("--out", default="runs/cdk-levers-bench")
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--seeds", nargs="*", type=int, default=[0])
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    tune_allocator()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    F = load_features(args.data, out, args.backbone)
+    results = []
+    for name in args.variants:
+        for seed in args.seeds:
+            r = run_variant(F, name, seed, args.split)
+            emb = r.pop("embeddings")
+            results.append(r)
+            with open(out / "results.jsonl", "a") as fh:
+                fh.write(json.dumps(r) + "\n")
+            print(f"{name:<40} seed {seed}: valid mAP {r['valid_map']:.3f} P@10 "
+                  f"{r['valid_p10']:.3f} d16 {r['d16_share']:.2f} swap "
+                  f"{r['max_swap_top32']:.3f} smoothed {r['smoothed_valid_map']:.3f} "
+                  f"({r['train_seconds']:.0f}s)", flush=True)
+            if name == "mirror-averaged" and seed == args.seeds[0]:
+                grid = smoothing_grid(*emb, Config().k)
+                (out / "smoothing_grid.json").write_text(json.dumps(grid, indent=1))
+                print("smoothing grid (valid mAP; rows: rounds, k; columns: weight 1 2 4 8)")
+                for rounds in (1, 2, 3):
+                    for nb in (5, 10, 15):
+                        cells = [g["map"] for g in grid if (g["rounds"], g["k"]) == (rounds, nb)]
+                        print(f"  {rounds} {nb:>2}: " + " ".join(f"{c:.3f}" for c in cells))
+    print("\n| variant | seeds | valid mAP | valid P@10 | d=16 share | max swap top-32 | "
+          "smoothed valid mAP |\n|---|---|---|---|---|---|---|")
+    for name in args.variants:
+        rs = [r for r in results if r["variant"] == name]
+        mean = {k: float(np.mean([r[k] for r in rs])) for k in
+                ("valid_map", "valid_p10", "d16_share", "max_swap_top32", "smoothed_valid_map")}
+        print(f"| {name} | {','.join(str(r['seed']) for r in rs)} | {mean['valid_map']:.3f} | "
+              f"{mean['valid_p10']:.3f} | {mean['d16_share']:.2f} | "
+              f"{mean['max_swap_top32']:.3f} | {mean['smoothed_valid_map']:.3f} |")
+    print("\nmAP at d leading modes, training order vs sorted by estimated sigma (valid):")
+    for r in results:
+        pairs = " ".join(f"{d}:{r['map_by_dims'][d]:.3f}/{r['map_by_dims_sorted_by_sigma'][d]:.3f}"
+                         for d in r["map_by_dims"])
+        print(f"  {r['variant']} seed {r['seed']}: {pairs}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
