@@ -11,7 +11,7 @@ import faiss
 import numpy as np
 import torch
 
-from index.kinds import AUTO_FLAT_MAX, HNSW_EF_SEARCH, HNSW_M
+from index.kinds import AUTO_FLAT_MAX, HNSW_EF_SEARCH, make_flat, make_hnsw
 from training.cdk.config import from_dict, smoothing
 from training.cdk.smoothing import Smoothing, smooth
 
@@ -25,12 +25,10 @@ def faiss_neighbours(g: torch.Tensor, k: int, rows: torch.Tensor) -> torch.Tenso
     itself excluded (training.cdk.smoothing.Neighbours)."""
     x = np.ascontiguousarray(torch.nn.functional.normalize(g.float(), dim=1).numpy())
     if len(x) <= AUTO_FLAT_MAX:
-        index = faiss.IndexFlatIP(x.shape[1])
+        index = make_flat(x)
     else:
-        index = faiss.IndexHNSWFlat(x.shape[1], HNSW_M, faiss.METRIC_INNER_PRODUCT)
-        index.hnsw.efConstruction = 2 * HNSW_EF_SEARCH
+        index = make_hnsw(x)
         index.hnsw.efSearch = max(HNSW_EF_SEARCH, 2 * k)
-    index.add(x)
     r = rows.numpy()
     _, ids = index.search(x[r], k + 1)  # (R, k + 1); the row itself is usually first
     ids = torch.from_numpy(ids)

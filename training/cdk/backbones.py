@@ -66,7 +66,11 @@ class Backbone:
     feature_dim: int
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
-    flip_average: bool = False  # features averaged with the mirror image's (PooledFeatures)
+
+    @property
+    def flip_average(self) -> bool:
+        """Whether ``module`` averages features with the mirror image's (PooledFeatures)."""
+        return bool(getattr(self.module, "flip_average", False))
 
 
 def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
@@ -171,8 +175,8 @@ def build_backbone(name: str, weights: str | None = None, flip_average: bool = F
     if name not in BACKBONES:
         raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(BACKBONES)}")
     module, dim = BACKBONES[name](weights or None)
-    module.flip_average = bool(flip_average)
-    return Backbone(name, module.eval(), dim, IMAGENET_MEAN, IMAGENET_STD, bool(flip_average))
+    module.flip_average = bool(flip_average)  # every entry builds a PooledFeatures
+    return Backbone(name, module.eval(), dim, IMAGENET_MEAN, IMAGENET_STD)
 
 
 def bare_backbone(name: str, flip_average: bool = False) -> Backbone:
@@ -183,7 +187,7 @@ def bare_backbone(name: str, flip_average: bool = False) -> Backbone:
         module, dim = PooledFeatures(_vgg16_trunk(), flip_average), 512
     else:
         raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(BACKBONES)}")
-    return Backbone(name, module.eval(), dim, IMAGENET_MEAN, IMAGENET_STD, bool(flip_average))
+    return Backbone(name, module.eval(), dim, IMAGENET_MEAN, IMAGENET_STD)
 
 
 def weights_fingerprint(module: nn.Module) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .smoothing import smooth
+
 __all__ = ["spectrum_order", "retrieval_metrics", "structure_curves", "orthogonality_stats",
            "power_of_two_dims", "cosine_scores_metrics", "pca_curves", "smoothed_metrics"]
 
@@ -100,8 +102,6 @@ def smoothed_metrics(f, g, q_labels, g_labels, k: int, smoothing) -> dict | None
     stores it: {"config", "map_all", "precision_at_k", "k", "map_by_dims",
     "precision_by_dims"}, where the d-mode numbers smooth the d-dim prefixes (an index
     built with --dims d); None when ``smoothing`` is off."""
-    from .smoothing import smooth  # local: metrics stays free of the smoothing's defaults
-
     if not smoothing.active:
         return None
     f, g = torch.as_tensor(f).float(), torch.as_tensor(g).float()
