@@ -148,10 +148,14 @@ def run_variant(F: dict, name: str, seed: int, split: str) -> dict:
     order = torch.argsort(-res.singular_values, stable=True)  # modes sorted by sigma
     sorted_d = {d: retrieval_metrics(f[:, order[:d]], g[:, order[:d]], *labels,
                                      cfg.k)["map_all"] for d in (1, 2, 4, 8, 16, 32, 64)}
-    sm = retrieval_metrics(f, smooth(g, Smoothing()), *labels, cfg.k)
+    gs = smooth(g, Smoothing())
+    sm = retrieval_metrics(f, gs, *labels, cfg.k)
+    sm16 = retrieval_metrics(f[:, :16], gs[:, :16], *labels, cfg.k)["map_all"]
     return {"variant": name, "seed": seed, "valid_map": full["map_all"],
             "valid_p10": full["precision_at_k"], "d16_share": by_d[16] / full["map_all"],
             "max_swap_top32": spectrum_order(res.singular_values)["max_swap"],
+            "max_swap_top32_norm": spectrum_order(res.singular_values_norm)["max_swap"],
+            "smoothed_d16_share": sm16 / sm["map_all"],
             "smoothed_valid_map": sm["map_all"], "smoothed_valid_p10": sm["precision_at_k"],
             "map_by_dims": by_d, "map_by_dims_sorted_by_sigma": sorted_d,
             "train_seconds": seconds, "embeddings": (f, g, labels)}
@@ -193,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                 fh.write(json.dumps(r) + "\n")
             print(f"{name:<40} seed {seed}: valid mAP {r['valid_map']:.3f} P@10 "
                   f"{r['valid_p10']:.3f} d16 {r['d16_share']:.2f} swap "
-                  f"{r['max_swap_top32']:.3f} smoothed {r['smoothed_valid_map']:.3f} "
+                  f"{r['max_swap_top32']:.3f} (norms {r['max_swap_top32_norm']:.3f}) "
+                  f"smoothed {r['smoothed_valid_map']:.3f} d16 {r['smoothed_d16_share']:.2f} "
                   f"({r['train_seconds']:.0f}s)", flush=True)
             if name == "mirror-averaged" and seed == args.seeds[0]:
                 grid = smoothing_grid(*emb, Config().k)
@@ -203,15 +208,18 @@ def main(argv: list[str] | None = None) -> int:
                     for nb in (5, 10, 15):
                         cells = [g["map"] for g in grid if (g["rounds"], g["k"]) == (rounds, nb)]
                         print(f"  {rounds} {nb:>2}: " + " ".join(f"{c:.3f}" for c in cells))
-    print("\n| variant | seeds | valid mAP | valid P@10 | d=16 share | max swap top-32 | "
-          "smoothed valid mAP |\n|---|---|---|---|---|---|---|")
+    print("\n| variant | seeds | valid mAP | valid P@10 | d=16 share | max swap top-32 "
+          "(Rayleigh / norms) | smoothed valid mAP | smoothed d=16 share |\n"
+          "|---|---|---|---|---|---|---|---|")
     for name in args.variants:
         rs = [r for r in results if r["variant"] == name]
         mean = {k: float(np.mean([r[k] for r in rs])) for k in
-                ("valid_map", "valid_p10", "d16_share", "max_swap_top32", "smoothed_valid_map")}
+                ("valid_map", "valid_p10", "d16_share", "max_swap_top32", "max_swap_top32_norm",
+                 "smoothed_valid_map", "smoothed_d16_share")}
         print(f"| {name} | {','.join(str(r['seed']) for r in rs)} | {mean['valid_map']:.3f} | "
               f"{mean['valid_p10']:.3f} | {mean['d16_share']:.2f} | "
-              f"{mean['max_swap_top32']:.3f} | {mean['smoothed_valid_map']:.3f} |")
+              f"{mean['max_swap_top32']:.3f} / {mean['max_swap_top32_norm']:.3f} | "
+              f"{mean['smoothed_valid_map']:.3f} | {mean['smoothed_d16_share']:.2f} |")
     print("\nmAP at d leading modes, training order vs sorted by estimated sigma (valid):")
     for r in results:
         pairs = " ".join(f"{d}:{r['map_by_dims'][d]:.3f}/{r['map_by_dims_sorted_by_sigma'][d]:.3f}"

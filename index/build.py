@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from index.add import append_photos, print_append
 from index.compressed import COMPRESSED_KINDS
 from index.gallery import cached_features, embed_photos, feature_cache_dir, scan_gallery
@@ -116,9 +118,13 @@ def build_index(
     with IndexWriter(out) as writer:  # held while embedding: a second writer fails at once
         kind = choose_kind(len(gallery), kind)
         cached = cached_features(embedder, root, gallery, feature_cache)
-        vectors = embed_photos(embedder, root, gallery, dims, batch_size, progress, cached,
-                               workers)  # (N, dims)
-        vectors = smooth_vectors(vectors, smoothing)
+        # smoothing finds each photo's neighbours with all L modes (the rule acts on each
+        # coordinate alike, so the stored d-prefix is the L-dim smoothed vector's prefix,
+        # the gallery a `dims=d` query of a full index sees); then the top `dims` are kept
+        width = embedder.L if smoothing.active else dims
+        vectors = embed_photos(embedder, root, gallery, width, batch_size, progress, cached,
+                               workers)  # (N, width)
+        vectors = np.ascontiguousarray(smooth_vectors(vectors, smoothing)[:, :dims])
         index = KINDS[kind](vectors)
         recall = {}
         if kind != "flat":

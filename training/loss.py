@@ -36,6 +36,7 @@ __all__ = [
     "svd_loss",
     "cdk_loss",
     "singular_values",
+    "cdk_singular_values",
     "eigenvalues",
 ]
 
@@ -290,6 +291,29 @@ def singular_values(f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     f = f.to(_compute_dtype(f))
     g = g.to(f.dtype)
     return ((f**2).mean(0) * (g**2).mean(0)).sqrt()
+
+
+@torch.no_grad()
+def cdk_singular_values(f: torch.Tensor, g: torch.Tensor, joint: torch.Tensor) -> torch.Tensor:
+    """Rayleigh quotients of the CDK k(x, y) = p(x, y) / (p(x) p(y)) - 1 at the learned pairs:
+
+        sigma_l = <f_l, K g_l> / (|f_l| |g_l|)
+                = (E_p(x,y)[f_l(X) g_l(Y)] - E f_l(X) E g_l(Y)) / sqrt(E f_l(X)^2 E g_l(Y)^2)
+
+    from f: (B1, L) at samples of p(x), g: (B2, L) at samples of p(y) and joint: (L,) the
+    expectation E_p(x,y)[f_l(X) g_l(Y)] (the sampler of pairs knows p(x, y);
+    ``training.cdk.data.PairSampler.joint_moment``). At exact singular pairs this equals
+    ``singular_values``; near them its error is second order in the pairs' error (the
+    norms' estimate is first order), which makes it the estimate to order modes by."""
+    _check_2d("f", f)
+    _check_2d("g", g)
+    if not f.shape[1] == g.shape[1] == joint.shape[-1]:
+        raise ValueError(f"f, g and joint disagree on L: {f.shape[1]}, {g.shape[1]}, "
+                         f"{joint.shape[-1]}")
+    dtype = _compute_dtype(f)
+    f, g, joint = f.to(dtype), g.to(dtype), joint.to(dtype)
+    cross = joint - f.mean(0) * g.mean(0)
+    return cross / ((f**2).mean(0) * (g**2).mean(0)).sqrt().clamp_min(1e-30)
 
 
 @torch.no_grad()

@@ -63,6 +63,11 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
         assert key in m
     assert m["k"] == 2 and sorted(m["map_by_dims"], key=int) == ["1", "2", "4"]
     assert len(m["singular_values"]) == 4 and m["map_by_dims"]["4"] == m["map_all"]
+    assert len(m["singular_values_norm"]) == 4
+    for key, sv in (("spectrum_order", "singular_values"),
+                    ("spectrum_order_norm", "singular_values_norm")):
+        rise = np.diff(m[sv]).clip(min=0)
+        assert m[key]["max_swap"] == pytest.approx(rise.max())
     for key in ("raw_backbone_pca_map_by_dims", "raw_backbone_pca_inner_map_by_dims"):
         assert sorted(m[key], key=int) == ["1", "2", "4"]
     for png in ("structure.png", "spectrum.png", "gallery.png"):

@@ -10,6 +10,7 @@ import torch
 import torchvision
 from PIL import Image
 
+from tests.cdk.reference import cdk_matrix, rayleigh_quotients
 from training.cdk import finetune
 from training.cdk import train as train_mod
 from training.cdk.backbones import NATIVE_SIZE, bare_backbone, build_backbone
@@ -235,13 +236,17 @@ def test_head_phase_trains_heads_only_and_stores_the_final_spectrum(dataset, lit
     assert not torch.equal(base.heads["sketch"].mlp[0].weight, res.heads["sketch"].mlp[0].weight)
     ck = load_checkpoint(tmp_path / "b" / "checkpoint.pt")
     assert ck["epoch"] == 4 and [h["phase"] for h in ck["history"]] == ["all"] * 2 + ["heads"] * 2
-    # the stored spectrum: sigma_l = sqrt(E f_l^2 E g_l^2) over every training image
+    # the stored spectrum over every training image: the CDK's Rayleigh quotients against
+    # the kernel written out as a matrix, and sqrt(E f_l^2 E g_l^2)
     f = embed_features(res.heads["sketch"], extract_features(
         dataset.sketches, lite0, SIZE, None, module=res.backbones["sketch"]), "cpu")
     g = embed_features(res.heads["photo"], extract_features(
         dataset.photos, lite0, SIZE, None, module=res.backbones["photo"]), "cpu")
+    K = cdk_matrix(dataset.sketch_labels, dataset.photo_labels)
+    torch.testing.assert_close(ck["singular_values"], rayleigh_quotients(f, g, K).float(),
+                               rtol=1e-4, atol=1e-5)
     ref = torch.sqrt((f**2).mean(0) * (g**2).mean(0))
-    torch.testing.assert_close(ck["singular_values"], ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ck["singular_values_norm"], ref, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("cut", [1, 3])  # in the fine-tuning phase, in the head phase

@@ -100,4 +100,10 @@ def test_smoothing_raises_map_on_a_clustered_gallery():
     assert sm["config"] == {"k": 5, "weight": 4.0, "rounds": 2}
     assert set(sm["map_by_dims"]) == {"1", "2", "4", "8", "16"}
     assert sm["map_by_dims"]["16"] == sm["map_all"]
+    # d modes: the prefixes of the gallery smoothed with all 16 modes
+    g16 = smooth(g, Smoothing(k=5, weight=4.0, rounds=2))
+    for d in (1, 4):
+        want = retrieval_metrics(f[:, :d], g16[:, :d], labels, labels, 10)
+        assert sm["map_by_dims"][str(d)] == pytest.approx(want["map_all"])
+        assert sm["precision_by_dims"][str(d)] == pytest.approx(want["precision_at_k"])
     assert smoothed_metrics(f, g, labels, labels, 10, Smoothing(k=0)) is None

@@ -67,6 +67,22 @@ def test_build_stores_smoothed_vectors_and_says_so(tmp_path):
                                _photo_embeddings(embedder, gallery), rtol=1e-6)
 
 
+def test_a_truncated_build_keeps_the_prefix_of_the_full_smoothed_vectors(tmp_path):
+    # neighbours found with all L modes: the --dims 3 index stores the first 3 coordinates
+    # of what the full index stores, not the 3-dim prefixes smoothed on their own
+    gallery = make_gallery(tmp_path / "photos", classes=4, per_class=6)
+    embedder = FakeEmbedder(L=8)
+    cfg = Smoothing(k=3, weight=2.0, rounds=2)
+    build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt", dims=3, progress=False,
+                smoothing=cfg)
+    ix = load_index(tmp_path / "ix", mmap=False)
+    full = torch.from_numpy(_photo_embeddings(embedder, gallery))
+    want = smooth(full, cfg)[:, :3].numpy()
+    np.testing.assert_allclose(ix.index.reconstruct_n(0, len(ix)), want, rtol=1e-5, atol=1e-6)
+    own = smooth(full[:, :3], cfg).numpy()
+    assert np.abs(own - want).max() > 1e-3  # the two rules differ on this gallery
+
+
 def test_append_smooths_new_photos_against_the_stored_ones(tmp_path):
     root = tmp_path / "photos"
     make_gallery(root, classes=3, per_class=5)

@@ -7,7 +7,9 @@ Layout (a dict saved with torch.save)::
     backbone: {name, feature_dim, image_size, mean, std, finetuned, flip_average}
     backbones: {"sketch": state_dict, "photo": state_dict}   (shared storage if frozen)
     heads: {"sketch": state_dict, "photo": state_dict}, head_arch: {in_dim, hidden, L, mu}
-    singular_values: (L,) float32; trained: bool; epoch: int
+    singular_values: (L,) float32, the CDK's Rayleigh quotients at the learned pairs
+        (checkpoints written before they were estimated hold sqrt(E f^2 E g^2) here)
+    singular_values_norm: (L,) float32 sqrt(E f^2 E g^2), or absent; trained: bool; epoch: int
     train_state: optimizer/scheduler state for resuming (None when finished or untrained)
     history: per-epoch log
 """
@@ -48,6 +50,7 @@ def save_checkpoint(
     finetuned: bool = False,
     train_state: dict | None = None,
     history: list | None = None,
+    singular_values_norm: torch.Tensor | None = None,
 ) -> Path:
     """Write a CDK checkpoint atomically. backbones / heads: one module per modality
     ("sketch", "photo"); the same module object for both is stored once."""
@@ -82,6 +85,8 @@ def save_checkpoint(
         "heads": {mod: cpu_state(heads[mod]) for mod in MODALITIES},
         "head_arch": heads["sketch"].arch(),
         "singular_values": sv,
+        "singular_values_norm": None if singular_values_norm is None else torch.as_tensor(
+            singular_values_norm, dtype=torch.float32).detach().cpu(),
         "trained": bool(trained),
         "epoch": int(epoch),
         "train_state": train_state,

@@ -91,6 +91,7 @@ class PairSampler:
     def __init__(self, sketch_labels, photo_labels, pairing: str = "class", photo_of=None):
         self.sketch_labels = torch.as_tensor(np.asarray(sketch_labels), dtype=torch.long)
         photo_labels = torch.as_tensor(np.asarray(photo_labels), dtype=torch.long)
+        self.photo_labels = photo_labels
         if pairing not in ("class", "instance"):
             raise ValueError(f"pairing must be 'class' or 'instance', got {pairing!r}")
         self.pairing = pairing
@@ -108,6 +109,40 @@ class PairSampler:
             torch.nonzero(self.count == 0).flatten().tolist()))
         if empty:
             raise DataError(f"sketch classes {empty} have no photos to pair with")
+
+    @torch.no_grad()
+    def joint_moment(self, f: torch.Tensor, g: torch.Tensor, sketch_idx=None, photo_idx=None
+                     ) -> torch.Tensor:
+        """E_p(x,y)[f(X) g(Y)] (L,) under the distribution the batches are drawn from, given
+        f: (S, L) at the sketches ``sketch_idx`` and g: (P, L) at the photos ``photo_idx``
+        (None: all of them, in order). Class pairing: the mean over the sketches of f times
+        the mean of g over the photos of the sketch's class; instance pairing: the mean of
+        f(sketch) g(its photo). With subsets, sketches whose class (or photo) is not among
+        the given photos are left out; none left is an error."""
+        s_idx = torch.arange(len(f)) if sketch_idx is None else torch.as_tensor(sketch_idx)
+        p_idx = torch.arange(len(g)) if photo_idx is None else torch.as_tensor(photo_idx)
+        if len(s_idx) != len(f) or len(p_idx) != len(g):
+            raise ValueError(f"{len(f)} sketch rows for {len(s_idx)} indices, "
+                             f"{len(g)} photo rows for {len(p_idx)} indices")
+        f, g = f.double(), g.double()
+        if self.pairing == "instance":
+            row = torch.full((int(self.photo_of.max()) + 1,), -1, dtype=torch.long)
+            row[p_idx.long()] = torch.arange(len(p_idx))
+            partner = row[self.photo_of[s_idx.long()]]
+            keep = partner >= 0
+            pairs = f[keep] * g[partner[keep]]
+        else:
+            n_cls = len(self.count)
+            labels = self.photo_labels[p_idx.long()]
+            n = torch.bincount(labels, minlength=n_cls).double()
+            g_bar = torch.zeros(n_cls, g.shape[1], dtype=g.dtype).index_add_(0, labels, g)
+            g_bar = g_bar / n.clamp_min(1)[:, None]
+            c = self.sketch_labels[s_idx.long()]
+            keep = n[c] > 0
+            pairs = f[keep] * g_bar[c[keep]]
+        if len(pairs) == 0:
+            raise ValueError("no sketch among the given rows has its pair among the photos")
+        return pairs.mean(0)
 
     def num_sketches(self) -> int:
         return len(self.sketch_labels)

@@ -100,12 +100,14 @@ def structure_curves(f, g, q_labels, g_labels, k: int) -> dict:
 def smoothed_metrics(f, g, q_labels, g_labels, k: int, smoothing) -> dict | None:
     """Retrieval against the smoothed gallery (training.cdk.smoothing), as index.build
     stores it: {"config", "map_all", "precision_at_k", "k", "map_by_dims",
-    "precision_by_dims"}, where the d-mode numbers smooth the d-dim prefixes (an index
-    built with --dims d); None when ``smoothing`` is off."""
+    "precision_by_dims"}. The gallery is smoothed once with all L modes (neighbours found
+    in the full embedding) and the d-mode numbers score its d-dim prefixes: what a
+    ``dims=d`` query of a full index sees, and what an index built with ``--dims d``
+    stores. None when ``smoothing`` is off."""
     if not smoothing.active:
         return None
-    f, g = torch.as_tensor(f).float(), torch.as_tensor(g).float()
-    by = {d: retrieval_metrics(f[:, :d], smooth(g[:, :d], smoothing), q_labels, g_labels, k)
+    f, g = torch.as_tensor(f).float(), smooth(torch.as_tensor(g).float(), smoothing)
+    by = {d: retrieval_metrics(f[:, :d], g[:, :d], q_labels, g_labels, k)
           for d in power_of_two_dims(f.shape[1])}
     return {"config": smoothing.as_dict(), **by[f.shape[1]],
             "map_by_dims": {str(d): m["map_all"] for d, m in by.items()},

@@ -39,16 +39,26 @@ def plot_structure(curves: dict[str, dict], path: str | Path, metric: str = "map
     return atomic_savefig(fig, path, dpi=120)
 
 
-def plot_spectrum(sv, path: str | Path) -> Path:
-    """sv: (L,) estimated singular values against their mode index."""
+def plot_spectrum(sv, path: str | Path, sv_norm=None) -> Path:
+    """sv: (L,) estimated singular values (Rayleigh quotients) against their mode index;
+    sv_norm: (L,) the norms' estimate sqrt(E f^2 E g^2), drawn beside them when given. The
+    second panel zooms on the top 32 modes, where the order is checked."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
     sv = np.asarray(sv)
-    ax.plot(np.arange(1, len(sv) + 1), sv, ".-", ms=3)
-    ax.set_xlabel("mode l")
-    ax.set_ylabel("estimated singular value")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
+    curves = [("Rayleigh quotient <f, K g> / (|f| |g|)", sv)]
+    if sv_norm is not None:
+        curves.append(("sqrt(E f^2 E g^2)", np.asarray(sv_norm)))
+    top = min(32, len(sv))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, n in zip(axes, (len(sv), top), strict=True):
+        for label, y in curves:
+            ax.plot(np.arange(1, n + 1), y[:n], ".-", ms=3, label=label)
+        ax.set_xlabel("mode l")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("estimated singular value")
+    axes[0].set_ylim(bottom=0)
+    axes[1].set_title(f"top {top} modes", fontsize=9)
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     return atomic_savefig(fig, path, dpi=120)
 

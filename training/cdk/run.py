@@ -216,8 +216,14 @@ def metrics_json(cfg: Config, split: dict, te: Dataset, res: TrainResult, ev: Ev
         "precision_by_dims_least": _by_dims(ev.curves["least"], "precision_at_k"),
         # the same embeddings against the smoothed gallery that index.build stores
         "smoothed": ev.smoothed,
+        # the CDK's Rayleigh quotients at the learned pairs (the estimate modes are ordered
+        # by), and sqrt(E f^2 E g^2), first-order in the pairs' error, beside them
         "singular_values": res.singular_values.tolist(),
         "spectrum_order": spectrum_order(res.singular_values),
+        "singular_values_norm": (None if res.singular_values_norm is None
+                                 else res.singular_values_norm.tolist()),
+        "spectrum_order_norm": (None if res.singular_values_norm is None
+                                else spectrum_order(res.singular_values_norm)),
         "orthogonality_test": ev.orthogonality_test,
         "orthogonality_train": ev.orthogonality_train,
         "raw_backbone_cosine": ev.raw,
@@ -245,7 +251,7 @@ def write_plots(cfg: Config, te: Dataset, res: TrainResult, ev: Evaluation, out:
                     "raw features, top-d principal axes, inner product": ev.raw_pca["inner"],
                     "raw features, all dims, cosine": {d: ev.raw for d in most}},
                    out / "structure.png")
-    plot_spectrum(res.singular_values, out / "spectrum.png")
+    plot_spectrum(res.singular_values, out / "spectrum.png", res.singular_values_norm)
     # the photos as an index of them returns them: smoothed when the config smooths
     gallery = smooth(ev.g, smoothing(cfg))
     plot_gallery(ev.f.numpy(), gallery.numpy(), te.sketch_labels, te.photo_labels, te.sketches,

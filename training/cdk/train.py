@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from training.device import pick_device
 
-from ..loss import cdk_loss, nesting_masks, singular_values
+from ..loss import cdk_loss, cdk_singular_values, nesting_masks, singular_values
 from .backbones import Backbone
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import NESTING_OF, RUNTIME_FIELDS, Config, nesting_weights, to_dict
@@ -60,8 +60,9 @@ class TrainData:
 class TrainResult:
     heads: dict[str, Head]
     backbones: dict[str, nn.Module] | None  # fine-tuned backbones, None if frozen
-    singular_values: torch.Tensor  # (L,)
+    singular_values: torch.Tensor  # (L,) the CDK's Rayleigh quotients (the ordering estimate)
     history: list = field(default_factory=list)
+    singular_values_norm: torch.Tensor | None = None  # (L,) sqrt(E f_l^2 E g_l^2)
 
 
 class PairModel(nn.Module):
@@ -160,22 +161,29 @@ def _train_mode(model: PairModel, cfg: Config) -> None:
 
 
 @torch.no_grad()
-def _spectrum(model: PairModel, cfg: Config, feats: dict, inputs: _Inputs | None):
-    """sigma_l = sqrt(E f_l(X)^2 E g_l(Y)^2) on the training set: on ``feats`` (N, D) per
-    modality, or, while the backbones train, on a seeded subset of at most 1024 images per
-    modality (to bound the cost). Leaves the model in eval mode."""
+def _spectrum(model: PairModel, cfg: Config, feats: dict, inputs: _Inputs | None,
+              sampler: PairSampler) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sigma, sigma_norm), each (L,), on the training set: sigma the CDK's Rayleigh
+    quotients (training.loss.cdk_singular_values, the estimate modes are ordered by),
+    sigma_norm = sqrt(E f_l(X)^2 E g_l(Y)^2). On ``feats`` (N, D) per modality, or, while
+    the backbones train, on a seeded subset of at most 1024 sketches and 1024 photos (their
+    own photos under instance pairing) to bound the cost. Leaves the model in eval mode."""
     model.eval()
+    idx = {m: None for m in MODALITIES}
+    if inputs is not None:
+        for m in MODALITIES:
+            g = torch.Generator().manual_seed(cfg.seed)
+            idx[m] = torch.randperm(len(inputs.files[m]), generator=g)[:1024]
+        if cfg.pairing == "instance":
+            idx["photo"] = torch.unique(sampler.photo_of[idx["sketch"]])
     out = []
     for mod in MODALITIES:
-        if inputs is None:
-            x = feats[mod]
-        else:
-            g = torch.Generator().manual_seed(cfg.seed)
-            n = len(inputs.files[mod])
-            x = inputs.features(model, mod, torch.randperm(n, generator=g)[:1024].tolist())
+        x = feats[mod] if inputs is None else inputs.features(model, mod, idx[mod].tolist())
         out.append(torch.cat([model.heads[mod](x[i : i + 8192]).float()
-                              for i in range(0, len(x), 8192)]))
-    return singular_values(out[0], out[1]).float().cpu()
+                              for i in range(0, len(x), 8192)]).cpu())
+    joint = sampler.joint_moment(out[0], out[1], idx["sketch"], idx["photo"])
+    return (cdk_singular_values(out[0], out[1], joint).float(),
+            singular_values(out[0], out[1]).float())
 
 
 def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
@@ -227,7 +235,7 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
     m_vec, m_mat = nesting_masks(cfg.L, NESTING_OF[cfg.method], nesting_weights(cfg),
                                  constant_mode=True)
 
-    start, history, sv, head_state = 0, [], None, None
+    start, history, sv, sv_norm, head_state = 0, [], None, None, None
     if ckpt_path.is_file():
         ck = load_checkpoint(ckpt_path, map_location="cpu")
         if _comparable(ck["config"]) != _comparable(to_dict(cfg)):
@@ -241,6 +249,7 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
             if bbs is not None:
                 model.backbones[m].load_state_dict(ck["backbones"][m])
         start, history, sv = ck["epoch"], ck["history"], ck["singular_values"]
+        sv_norm = ck.get("singular_values_norm")
         if start < total:
             if ck["train_state"] is None:
                 raise ValueError(f"{ckpt_path} has no optimizer state to resume from")
@@ -319,7 +328,7 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
                 for s, p in batches(epoch):
                     xs, ys = pick_views(s, p)
                     losses.append(step(xs, ys, opt, sched, ddp))
-            sv = _spectrum(model, cfg, feats, inputs)
+            sv, sv_norm = _spectrum(model, cfg, feats, inputs, sampler)
         else:
             if head_opt is None:  # entering (or resuming) the head-only phase
                 if finetune:
@@ -345,7 +354,7 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
             for s, p in batches(epoch):
                 xs, ys = pick_views(s, p)
                 losses.append(step(xs, ys, head_opt, head_sched, head_ddp))
-            sv = _spectrum(model, cfg, feats, None)
+            sv, sv_norm = _spectrum(model, cfg, feats, None, sampler)
         history.append({"epoch": epoch + 1, "loss": float(np.mean(losses)),
                         "lr": scheduler.get_last_lr()[0], "seconds": time.perf_counter() - t0,
                         "sigma_top": sv[: min(4, cfg.L)].tolist(),
@@ -359,7 +368,8 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
                 ckpt_path, config=to_dict(cfg), backbone=backbone, image_size=cfg.image_size,
                 backbones=dict(model.backbones.items()) if bbs is not None
                 else {"sketch": backbone.module, "photo": backbone.module},
-                heads=dict(model.heads), singular_values=sv, trained=True, epoch=epoch + 1,
+                heads=dict(model.heads), singular_values=sv, singular_values_norm=sv_norm,
+                trained=True, epoch=epoch + 1,
                 finetuned=finetune, history=history,
                 train_state=None if last else {"optimizer": optimizer.state_dict(),
                                                "scheduler": scheduler.state_dict()},
@@ -369,7 +379,7 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
         if finetune:
             inputs = inputs or _Inputs(cfg, data, backbone, splits, device)
             feats = {m: inputs.features(model, m) for m in MODALITIES}
-        sv = _spectrum(model, cfg, feats, None)
+        sv, sv_norm = _spectrum(model, cfg, feats, None, sampler)
     model.eval()
     return TrainResult(dict(model.heads), dict(model.backbones.items()) if bbs is not None
-                       else None, sv, history)
+                       else None, sv, history, sv_norm)
