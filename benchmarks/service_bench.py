@@ -5,6 +5,7 @@ for each sketch encoder (PyTorch and ONNX Runtime) in the same run.
     python benchmarks/service_bench.py --index runs/index    # an existing index
     python benchmarks/service_bench.py --encoders onnx       # one encoder only
     python benchmarks/service_bench.py --encoders onnx --flip-average false true  # mirror cost
+    python benchmarks/service_bench.py --encoders onnx --layouts 1x2 2x1  # threads x slots
 
 For each encoder, starts `python -m service` as a separate process on a free local port,
 sends a fixed number of `POST /retrieve` requests at each concurrency (1, 4, 16), and prints
@@ -215,7 +216,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flip-average", nargs="+", choices=("true", "false"), default=["true"],
                    help="built index only: the checkpoint averages features over the mirror "
                         "image (the cpu preset) or not; both: compared in one run")
+    p.add_argument("--layouts", nargs="+", default=None, metavar="THREADSxSLOTS",
+                   help="server layouts compared in one run, e.g. 1x2 2x1 (threads per "
+                        "forward x concurrent forwards); default: --threads x --slots")
     args = p.parse_args(argv)
+    layouts = [(args.threads, args.slots)]
+    if args.layouts:
+        try:
+            layouts = [tuple(int(v) for v in lay.lower().split("x")) for lay in args.layouts]
+        except ValueError:
+            p.error(f"--layouts takes THREADSxSLOTS values such as 2x1, got {args.layouts}")
+        if any(len(lay) != 2 or min(lay) < 1 for lay in layouts):
+            p.error(f"--layouts takes THREADSxSLOTS values such as 2x1, got {args.layouts}")
 
     bodies = sketches(args.data)
     results = {}
@@ -226,8 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         index = args.index or prepare_index(args.work / f"mirror-{mirror}", args.data,
                                             args.classes, flip)
         for enc in args.encoders:
-            results[f"{enc}" + ("" if args.index else f", mirror {mirror}")] = run_server(
-                index, enc, args, bodies)
+            for threads, slots in layouts:
+                args.threads, args.slots = threads, slots
+                name = (f"{enc}" + ("" if args.index else f", mirror {mirror}")
+                        + (f", {threads}x{slots}" if len(layouts) > 1 else ""))
+                results[name] = run_server(index, enc, args, bodies)
         if args.index:
             break
     (a, ra), *others = results.items()
