@@ -38,7 +38,8 @@ def test_exact_pairs_give_the_svd_and_errors_enter_to_second_order():
     torch.testing.assert_close(_sigma(f, g, sampler), s[:L])
     torch.testing.assert_close(singular_values(f, g), s[:L])
     gen = torch.Generator().manual_seed(1)
-    df, dg = torch.randn(f.shape, generator=gen, dtype=f.dtype), torch.randn(g.shape, generator=gen, dtype=g.dtype)
+    df = torch.randn(f.shape, generator=gen, dtype=f.dtype)
+    dg = torch.randn(g.shape, generator=gen, dtype=g.dtype)
     err = {}
     for eps in (1e-2, 1e-3):
         fe, ge = f + eps * df, g + eps * dg
