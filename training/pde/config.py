@@ -33,6 +33,9 @@ class Config:
     spin_decay: float = 0.99  # SpIN's moving averages of Sigma and the Jacobian
     eval_points: int = 0  # 0: the problem's quadrature default
     train_std: float = 0.0  # std of the sampling distribution p_train; 0: the problem's
+    # a second Gaussian N(0, train_mix_std^2 I) drawing this share of the samples; 0: none
+    train_mix_fraction: float = 0.0
+    train_mix_std: float = 0.0
     seed: int = 0
     checkpoint_every: int = 1000
     threads: int = 2  # torch CPU threads
@@ -60,6 +63,12 @@ class Config:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
         if self.train_std < 0:
             raise ValueError(f"train_std must be >= 0, got {self.train_std!r}")
+        if not 0 <= self.train_mix_fraction < 1:
+            raise ValueError(
+                f"train_mix_fraction must be in [0, 1), got {self.train_mix_fraction!r}")
+        if self.train_mix_fraction > 0 and not self.train_mix_std > 0:
+            raise ValueError(f"train_mix_fraction {self.train_mix_fraction} needs "
+                             f"train_mix_std > 0, got {self.train_mix_std!r}")
         if self.n_modes < 0 or self.eval_points < 0:
             raise ValueError(
                 f"n_modes and eval_points must be >= 0, got {self.n_modes}, {self.eval_points}"
@@ -67,8 +76,10 @@ class Config:
 
 
 def problem_of(config: Config) -> Problem:
-    """The problem a config trains and is evaluated on (its ndim; its train_std when set)."""
-    return make_problem(config.problem, config.ndim, config.train_std or None)
+    """The problem a config trains and is evaluated on (its ndim; its sampling
+    distribution when set)."""
+    return make_problem(config.problem, config.ndim, config.train_std or None,
+                        config.train_mix_std, config.train_mix_fraction)
 
 
 def paper(problem: Problem) -> dict:
