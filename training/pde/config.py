@@ -24,6 +24,7 @@ class Config:
     iterations: int = 500_000
     batch_size: int = 128
     lr: float = 1e-4
+    lr_floor: float = 0.0  # the cosine schedule decays the lr to lr * lr_floor (0: to zero)
     fourier_features: int = 1024  # K
     fourier_scale: float = 0.1  # kappa
     hidden: int = 128
@@ -58,6 +59,8 @@ class Config:
         for name in ["lr", "fourier_scale", "fd_eps", "checkpoint_every"]:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not 0 <= self.lr_floor < 1:
+            raise ValueError(f"lr_floor must be in [0, 1), got {self.lr_floor!r}")
         for name in ["ema_decay", "spin_decay"]:
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
