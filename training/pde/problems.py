@@ -71,9 +71,10 @@ class Problem:
         a = self.mix_fraction
         if a == 0:
             return wide
-        # logsumexp keeps the log-density exact where either component underflows
+        # logsumexp keeps the log-density exact where either component underflows (and,
+        # unlike torch.logaddexp, has a finite second derivative for the exact Laplacian)
         narrow = self._log_gaussian(x, self.mix_std)
-        return torch.logaddexp(wide + math.log1p(-a), narrow + math.log(a))
+        return torch.logsumexp(torch.stack([wide + math.log1p(-a), narrow + math.log(a)]), 0)
 
     def sample(self, n: int, generator: torch.Generator, device, dtype) -> torch.Tensor:
         """n samples of p_train: (n, D). Without a mixture the draws are those of the plain
