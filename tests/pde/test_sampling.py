@@ -86,8 +86,10 @@ def test_mixture_settings_are_validated():
 
 
 def test_a_checkpoint_written_before_the_mixture_loads_and_resumes(tmp_path):
+    # a run of the single Gaussian, as every run before the mixture was
     config = preset("cpu", make_problem("hydrogen"), iterations=2, batch_size=16,
-                    fourier_features=4, hidden=8, threads=1, out=str(tmp_path))
+                    fourier_features=4, hidden=8, threads=1, out=str(tmp_path),
+                    train_mix_fraction=0.0, train_mix_std=0.0)
     train(config, progress=False)
     path = tmp_path / CHECKPOINT
     ckpt = load_train_state(path)
