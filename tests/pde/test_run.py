@@ -83,6 +83,9 @@ def test_presets_and_overrides():
     assert (osc.n_modes, osc.fourier_scale, osc.lr) == (0, 0.15, 2e-3)
     assert (osc.batch_size, osc.iterations, osc.train_std) == (128, 9_000, 2.0)
     assert cpu.train_std == 0 and paper.train_std == 0  # the problem's: the paper's std
+    # hydrogen's cpu preset adds a narrow component for the cusp; the paper samples one Gaussian
+    assert (cpu.train_mix_std, cpu.train_mix_fraction) == (2.0, 0.25)
+    assert paper.train_mix_fraction == 0 and osc.train_mix_fraction == 0
     assert parse_args(["oscillator", "--preset", "cpu", "--n-modes", "28"]).n_modes == 28
 
 

@@ -1,14 +1,16 @@
 """Checkpoints resume a run exactly where it stopped; settings must match to resume."""
 
+import math
+
 import pytest
 import torch
 
 import training.pde.train as train_module
 from tests.fakes import crafted_checkpoint
 from training.pde.checkpoint import load_checkpoint
-from training.pde.config import preset
+from training.pde.config import Config, preset
 from training.pde.problems import make_problem
-from training.pde.train import train
+from training.pde.train import make_schedule, train
 
 
 def _config(out, **kw):
@@ -70,3 +72,18 @@ def test_crafted_checkpoint_is_refused_without_running_code(tmp_path):
     with pytest.raises(ValueError, match="is not a training.pde checkpoint"):
         train(_config(tmp_path, resume=True), progress=False)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.2])
+def test_cosine_schedule_ends_at_the_floor(floor):
+    w = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.RMSprop([w], lr=2e-3)
+    sched = make_schedule(opt, 10, floor)
+    for t in range(1, 11):
+        opt.step()
+        sched.step()
+        ref = 2e-3 * (floor + (1 - floor) * (1 + math.cos(math.pi * t / 10)) / 2)
+        assert opt.param_groups[0]["lr"] == pytest.approx(ref, rel=1e-9, abs=1e-15)
+    assert opt.param_groups[0]["lr"] == pytest.approx(2e-3 * floor, abs=1e-15)
+    with pytest.raises(ValueError, match="lr_floor must be in \\[0, 1\\), got 1.0"):
+        Config(lr_floor=1.0)

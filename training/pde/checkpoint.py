@@ -81,7 +81,8 @@ def load_train_state(path: str | Path, map_location="cpu") -> dict:
 
 
 def load_checkpoint(path: str | Path, map_location="cpu") -> tuple[Config, DisjointMLPs, dict]:
-    """(config, EMA model, the raw checkpoint): the model is rebuilt from the stored config."""
+    """(config, EMA model, the raw checkpoint): the model is rebuilt from the stored config
+    (fields it lacks, added since, take their defaults)."""
     ckpt = load_train_state(path, map_location)
     config = Config(**ckpt["config"])
     model = build_model(config, problem_of(config))
@@ -93,7 +94,9 @@ def check_resumable(saved: dict, config: Config) -> None:
     """ValueError listing the settings of ``config`` that differ from the stored ``saved``
     (a config dict), other than those a resumed run may change (``RESUMABLE``)."""
     now = dataclasses.asdict(config)
-    diff = sorted(k for k in now if k not in RESUMABLE and saved.get(k) != now[k])
+    # a field added after the checkpoint was written holds its default there
+    saved = {**dataclasses.asdict(Config()), **saved}
+    diff = sorted(k for k in now if k not in RESUMABLE and saved[k] != now[k])
     if diff:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in diff)
         raise ValueError(f"cannot resume: settings differ from the checkpoint ({detail})")

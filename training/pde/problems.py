@@ -34,6 +34,9 @@ class Problem:
         are evaluated (the positive ones).
     eigenfunctions: (B, D) -> (B, n_eval), exact orthonormal eigenfunctions (Lebesgue L2).
     train_std: std of the isotropic Gaussian sampling distribution p_train.
+    mix_std, mix_fraction: when mix_fraction > 0, p_train is the mixture
+        (1 - mix_fraction) N(0, train_std^2 I) + mix_fraction N(0, mix_std^2 I), e.g. a
+        narrow component for a cusp at the origin beside a wide one for extended states.
     quadrature: (device) -> (x (N, D), weights (N,)), the evaluation rule for integrals.
     """
 
@@ -52,20 +55,36 @@ class Problem:
     fourier_features: int
     fourier_scale: float
     paper_iterations: int
+    mix_std: float = 0.0
+    mix_fraction: float = 0.0
 
     @property
     def n_eval(self) -> int:
         return len(self.eigenvalues_true)
 
-    def log_weight(self, x: torch.Tensor) -> torch.Tensor:
-        """log w(x) = log p_train(x) for the Gaussian N(0, train_std^2 I): (B, D) -> (B,)."""
-        s = self.train_std
+    def _log_gaussian(self, x: torch.Tensor, s: float) -> torch.Tensor:
         return -0.5 * (x**2).sum(-1) / s**2 - self.ndim * math.log(math.sqrt(2 * math.pi) * s)
 
+    def log_weight(self, x: torch.Tensor) -> torch.Tensor:
+        """log w(x) = log p_train(x), the Gaussian or the mixture: (B, D) -> (B,)."""
+        wide = self._log_gaussian(x, self.train_std)
+        a = self.mix_fraction
+        if a == 0:
+            return wide
+        # logsumexp keeps the log-density exact where either component underflows (and,
+        # unlike torch.logaddexp, has a finite second derivative for the exact Laplacian)
+        narrow = self._log_gaussian(x, self.mix_std)
+        return torch.logsumexp(torch.stack([wide + math.log1p(-a), narrow + math.log(a)]), 0)
+
     def sample(self, n: int, generator: torch.Generator, device, dtype) -> torch.Tensor:
-        """n samples of p_train: (n, D)."""
+        """n samples of p_train: (n, D). Without a mixture the draws are those of the plain
+        Gaussian (runs made before the mixture existed are reproduced)."""
         z = torch.randn(n, self.ndim, generator=generator, dtype=dtype)
-        return (self.train_std * z).to(device)
+        if self.mix_fraction == 0:
+            return (self.train_std * z).to(device)
+        narrow = torch.rand(n, generator=generator, dtype=dtype) < self.mix_fraction  # (n,)
+        std = torch.where(narrow, self.mix_std, self.train_std).to(dtype)
+        return (std.unsqueeze(-1) * z).to(device)
 
 
 # --------------------------------------------------------------------------- hydrogen
@@ -230,14 +249,23 @@ PROBLEMS: dict[str, Callable[[int], Problem]] = {
 }
 
 
-def make_problem(name: str, ndim: int | None = None, train_std: float | None = None) -> Problem:
+def make_problem(name: str, ndim: int | None = None, train_std: float | None = None,
+                 mix_std: float = 0.0, mix_fraction: float = 0.0) -> Problem:
     """Build a registered problem; ndim None means the problem's own (2), train_std None
-    its own sampling distribution (a positive value replaces the std of p_train)."""
+    its own sampling distribution (a positive value replaces the std of p_train).
+    mix_fraction > 0 draws that share of the samples from N(0, mix_std^2 I) instead."""
     if name not in PROBLEMS:
         raise ValueError(f"unknown problem {name!r}; choose from {sorted(PROBLEMS)}")
     problem = PROBLEMS[name](2 if ndim is None else ndim)
-    if train_std is None:
+    if train_std is not None:
+        if not train_std > 0:
+            raise ValueError(f"train_std must be positive, got {train_std!r}")
+        problem = dataclasses.replace(problem, train_std=float(train_std))
+    if mix_fraction == 0:
         return problem
-    if not train_std > 0:
-        raise ValueError(f"train_std must be positive, got {train_std!r}")
-    return dataclasses.replace(problem, train_std=float(train_std))
+    if not 0 < mix_fraction < 1:
+        raise ValueError(f"mix_fraction must be in [0, 1), got {mix_fraction!r}")
+    if not mix_std > 0:
+        raise ValueError(f"a mixture (mix_fraction {mix_fraction}) needs mix_std > 0, "
+                         f"got {mix_std!r}")
+    return dataclasses.replace(problem, mix_std=float(mix_std), mix_fraction=float(mix_fraction))

@@ -25,13 +25,21 @@ from training.pde.laplacian import negative_hamiltonian
 from training.pde.methods import make_method
 from training.pde.networks import DisjointMLPs
 
-__all__ = ["train"]
+__all__ = ["train", "make_schedule"]
 
 log = logging.getLogger(__name__)
 
 
 def _format(eigs: torch.Tensor) -> str:
     return " ".join(f"{v:.3g}" for v in eigs.tolist())
+
+
+def make_schedule(optimizer: torch.optim.Optimizer, iterations: int, lr_floor: float):
+    """Cosine annealing of every group's lr over ``iterations`` steps, from lr to
+    lr * lr_floor: lr (floor + (1 - floor) (1 + cos(pi t / T)) / 2) at step t."""
+    base = optimizer.param_groups[0]["lr"]
+    return torch.optim.lr_scheduler.CosineAnnealingLR(
+        optimizer, T_max=iterations, eta_min=base * lr_floor)
 
 
 def train(config: Config, progress: bool = True) -> tuple[DisjointMLPs, dict]:
@@ -52,7 +60,7 @@ def train(config: Config, progress: bool = True) -> tuple[DisjointMLPs, dict]:
     params = list(model.parameters())
     optimizer = torch.optim.RMSprop(params, lr=config.lr)
     T = config.iterations
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=T)  # lr -> 0 at T
+    schedule = make_schedule(optimizer, T, config.lr_floor)
     gen = torch.Generator().manual_seed(config.seed + 1)
     step, seconds, running = 0, 0.0, torch.zeros(L, dtype=torch.float64)
 
