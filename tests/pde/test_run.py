@@ -77,7 +77,7 @@ def test_presets_and_overrides():
     assert (h.fourier_features, h.iterations, h.batch_size, h.seed) == (1024, 500_000, 512, 3)
     cpu = parse_args(["hydrogen", "--preset", "cpu"])
     assert cpu.iterations < h.iterations and cpu.fourier_features < h.fourier_features
-    assert cpu.n_modes == 0 and cpu.fourier_scale == h.fourier_scale and cpu.lr == 1e-3
+    assert cpu.n_modes == 0 and cpu.fourier_scale == h.fourier_scale and cpu.lr == 2e-3
     assert paper.n_modes == 0  # the problem's L = 55
     osc = parse_args(["oscillator", "--preset", "cpu"])
     assert (osc.n_modes, osc.fourier_scale, osc.lr) == (0, 0.15, 2e-3)

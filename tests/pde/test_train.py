@@ -51,7 +51,7 @@ def test_resume_after_an_interruption_reproduces_the_uninterrupted_run(tmp_path,
 
 
 def test_resume_with_different_settings_is_an_error(tmp_path):
-    train(_config(tmp_path, iterations=2), progress=False)
+    train(_config(tmp_path, iterations=2, lr=1e-3), progress=False)
     with pytest.raises(ValueError, match=r"lr: 0.001 -> 0.002"):
         train(_config(tmp_path, iterations=2, lr=2e-3, resume=True), progress=False)
 
