@@ -31,7 +31,7 @@ from training.allocator import tune_allocator
 from training.cdk.backbones import NATIVE_SIZE, Backbone, build_backbone
 from training.cdk.config import Config
 from training.cdk.data import scan
-from training.cdk.metrics import retrieval_metrics, spectrum_order
+from training.cdk.metrics import retrieval_metrics, smoothed_metrics, spectrum_order
 from training.cdk.run import embed_features
 from training.cdk.smoothing import Smoothing, smooth
 from training.cdk.splits import split_classes
@@ -148,14 +148,12 @@ def run_variant(F: dict, name: str, seed: int, split: str) -> dict:
     order = torch.argsort(-res.singular_values, stable=True)  # modes sorted by sigma
     sorted_d = {d: retrieval_metrics(f[:, order[:d]], g[:, order[:d]], *labels,
                                      cfg.k)["map_all"] for d in (1, 2, 4, 8, 16, 32, 64)}
-    gs = smooth(g, Smoothing())
-    sm = retrieval_metrics(f, gs, *labels, cfg.k)
-    sm16 = retrieval_metrics(f[:, :16], gs[:, :16], *labels, cfg.k)["map_all"]
+    sm = smoothed_metrics(f, g, *labels, cfg.k, Smoothing())  # as index.build stores it
     return {"variant": name, "seed": seed, "valid_map": full["map_all"],
             "valid_p10": full["precision_at_k"], "d16_share": by_d[16] / full["map_all"],
             "max_swap_top32": spectrum_order(res.singular_values)["max_swap"],
             "max_swap_top32_norm": spectrum_order(res.singular_values_norm)["max_swap"],
-            "smoothed_d16_share": sm16 / sm["map_all"],
+            "smoothed_d16_share": sm["map_by_dims"]["16"] / sm["map_all"],
             "smoothed_valid_map": sm["map_all"], "smoothed_valid_p10": sm["precision_at_k"],
             "map_by_dims": by_d, "map_by_dims_sorted_by_sigma": sorted_d,
             "train_seconds": seconds, "embeddings": (f, g, labels)}

@@ -35,8 +35,9 @@ def _format(eigs: torch.Tensor) -> str:
 
 
 def make_schedule(optimizer: torch.optim.Optimizer, iterations: int, lr_floor: float):
-    """Cosine annealing of every group's lr over ``iterations`` steps, from lr to
-    lr * lr_floor: lr (floor + (1 - floor) (1 + cos(pi t / T)) / 2) at step t."""
+    """Cosine annealing of the optimizer's lr (its one parameter group's) over
+    ``iterations`` steps, from lr to lr * lr_floor:
+    lr (floor + (1 - floor) (1 + cos(pi t / T)) / 2) at step t."""
     base = optimizer.param_groups[0]["lr"]
     return torch.optim.lr_scheduler.CosineAnnealingLR(
         optimizer, T_max=iterations, eta_min=base * lr_floor)
