@@ -177,7 +177,7 @@ def test_training_and_index_embed_a_transparent_photo_alike(tmp_path):
     photo.parent.mkdir(parents=True)
     Image.fromarray(rgba, mode="RGBA").save(photo)
 
-    bb = bare_backbone(e.backbone, e.flip_average)  # as training builds it
+    bb = bare_backbone(e.backbone, e.flip_average, e.pooling)  # as training builds it
     bb.module.load_state_dict(load_checkpoint(ckpt)["backbones"]["photo"])
     feats = extract_features([photo], bb, e.image_size, None, device="cpu")  # (1, D)
     trained = e.head(feats, "photo").numpy()  # (1, L)

@@ -104,3 +104,56 @@ def test_flip_average_gets_its_own_feature_cache_key(tmp_path):
     flipped = build_backbone("efficientnet-lite0", flip_average=True)
     assert flipped.module.flip_average
     assert cache_key([f], plain, plain.module, 64) != cache_key([f], flipped, flipped.module, 64)
+
+
+@pytest.mark.parametrize("name", ["efficientnet-lite0", "vgg16"])
+def test_gem_pooling_is_the_generalised_mean_of_the_trunk_maps(name):
+    from training.cdk.backbones import GEM_P, bare_backbone
+
+    torch.manual_seed(0)
+    # pretrained Lite0 (a random one's maps are ~1e-9, all under GeM's clamp); VGG16's
+    # random init keeps its maps at the scale of its input
+    avg = build_backbone(name) if name.startswith("efficientnet") else bare_backbone(name)
+    gem = bare_backbone(name, pooling="gem")
+    gem.module.load_state_dict(avg.module.state_dict())  # pooling adds no parameter
+    assert (avg.pooling, gem.pooling) == ("avg", "gem")
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        maps = avg.module.trunk(x).double()  # (N, D, h, w), non-negative (ReLU/ReLU6)
+        assert bool((maps >= 0).all())
+        want = maps.clamp_min(1e-6).pow(GEM_P).flatten(2).mean(2).pow(1 / GEM_P)
+        torch.testing.assert_close(gem.module(x).double(), want, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(avg.module(x).double(), maps.flatten(2).mean(2),
+                                   rtol=1e-4, atol=1e-6)
+        # between the mean and the maximum over positions, and not equal to the mean
+        assert bool((gem.module(x) >= avg.module(x) - 1e-5).all())
+        assert bool((gem.module(x) <= maps.flatten(2).amax(2).float() + 1e-5).all())
+        assert not torch.allclose(gem.module(x), avg.module(x), rtol=1e-3, atol=1e-4)
+        # with mirror averaging: the mean of the two views' GeM features
+        both = bare_backbone(name, flip_average=True, pooling="gem")
+        both.module.load_state_dict(avg.module.state_dict())
+        torch.testing.assert_close(both.module(x), 0.5 * (gem.module(x) + gem.module(x.flip(3))),
+                                   rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="pooling must be one of"):
+        bare_backbone(name, pooling="max")
+
+
+def test_gem_pooling_gets_its_own_feature_cache_key_and_avg_keeps_the_old_one(tmp_path):
+    import hashlib
+    import json
+
+    from training.cdk.features import _VERSION, cache_key
+
+    f = tmp_path / "a.png"
+    f.write_bytes(b"x")
+    avg = build_backbone("efficientnet-lite0")
+    gem = build_backbone("efficientnet-lite0", pooling="gem")
+    assert cache_key([f], avg, avg.module, 64) != cache_key([f], gem, gem.module, 64)
+    # average pooling hashes exactly what the caches written before the field hashed
+    h = hashlib.sha256()
+    head = {"v": _VERSION, "name": avg.name, "weights": weights_fingerprint(avg.module),
+            "size": 64, "mean": avg.mean, "std": avg.std}
+    h.update(json.dumps(head, sort_keys=True).encode())
+    st = f.stat()
+    h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    assert cache_key([f], avg, avg.module, 64) == h.hexdigest()

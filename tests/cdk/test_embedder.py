@@ -143,3 +143,26 @@ def test_a_mirrored_image_embeds_as_the_image(ckpt, tmp_path):
     e_old = Embedder.from_checkpoint(tmp_path / "old.pt", device="cpu")
     assert not e_old.flip_average
     assert not np.allclose(e_old.embed(mirrored, "photo"), e_old.embed(ims, "photo"), atol=1e-3)
+
+
+def test_the_checkpoint_says_how_the_backbone_pools(ckpt, tmp_path):
+    # the cpu preset pools the trunk's maps by generalised mean, and the embedder follows the
+    # checkpoint; one without the key (earlier code) was trained on average-pooled features
+    from training.cdk.backbones import global_pool
+
+    e = Embedder.from_checkpoint(ckpt, device="cpu")
+    assert e.pooling == "gem" and load_checkpoint(ckpt)["backbone"]["pooling"] == "gem"
+    old = load_checkpoint(ckpt)
+    del old["backbone"]["pooling"]
+    torch.save(old, tmp_path / "old.pt")
+    e_old = Embedder.from_checkpoint(tmp_path / "old.pt", device="cpu")
+    assert e_old.pooling == "avg"
+    ims = _images()
+    x = e.preprocess(ims, "photo")
+    bb, head = e.modules("photo")
+    with torch.no_grad():
+        maps = torch.cat([bb.trunk(x), bb.trunk(x.flip(3))])  # mirror averaging, as trained
+        for emb, pooling in ((e, "gem"), (e_old, "avg")):
+            feats = global_pool(maps, pooling).unflatten(0, (2, -1)).mean(0)
+            np.testing.assert_allclose(emb.embed(ims, "photo"), head(feats).numpy(),
+                                       rtol=1e-4, atol=1e-5)

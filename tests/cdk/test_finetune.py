@@ -299,7 +299,8 @@ def test_paper_preset_runs_the_finetuning_path_end_to_end(tmp_path):
     cfg = make_config("paper", batch_size=8, epochs=1, image_size=SIZE, L=8, hidden=16,
                       backbone_weights=str(weights), workers=0, out=str(tmp_path / "o"))
     assert cfg.finetune and cfg.backbone == "vgg16" and cfg.trainable_stages == 0
-    bb = build_backbone(cfg.backbone, cfg.backbone_weights)
+    assert cfg.pooling == "avg"  # the paper's pooled features
+    bb = build_backbone(cfg.backbone, cfg.backbone_weights, pooling=cfg.pooling)
     train_mod.train(cfg, _data(ds, bb), bb, cfg.out, device="cpu")
     ck = load_checkpoint(tmp_path / "o" / "checkpoint.pt")
     assert ck["epoch"] == 1 and ck["backbone"]["finetuned"] and ck["config"]["preset"] == "paper"

@@ -28,7 +28,8 @@ CLOSE = {"rtol": 1e-4, "atol": 1e-5}  # batches of other sizes: float rounding o
 @pytest.fixture(scope="module")
 def pretrained():
     """The frozen backbone training.cdk.run builds, whose features training caches."""
-    return build_backbone("efficientnet-lite0", flip_average=True)  # the cpu preset's
+    # the cpu preset's pooling and mirror averaging
+    return build_backbone("efficientnet-lite0", flip_average=True, pooling="gem")
 
 
 @pytest.fixture

@@ -178,13 +178,15 @@ def test_single_view_queries_of_a_mirror_averaging_checkpoint(real_checkpoint, r
                                                              tmp_path):
     # the real checkpoint averages every image with its mirror image (the cpu preset);
     # --no-mirror-queries embeds sketches alone: the pooled features of the trunk alone
+    from training.cdk.backbones import global_pool
+
     assert real_embedder.flip_average and real_embedder.trained_flip_average
     single = Embedder.from_checkpoint(real_checkpoint, device="cpu", flip_average=False)
     assert not single.flip_average and single.trained_flip_average
     batch = sketch_batch(single, small_sketches)
     trunk = single.backbone_of("sketch").module.trunk
     with torch.no_grad():
-        want = single.head(trunk(batch).mean(dim=(2, 3)), "sketch").numpy()
+        want = single.head(global_pool(trunk(batch), single.pooling), "sketch").numpy()
     got = TorchEncoder(single)(batch)
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
     assert not np.allclose(got, TorchEncoder(real_embedder)(batch), atol=1e-3)

@@ -4,7 +4,7 @@ Layout (a dict saved with torch.save)::
 
     format: "sketchsvd-cdk", version: 1
     config: Config as a dict (how it was built; loaders need no flags)
-    backbone: {name, feature_dim, image_size, mean, std, finetuned, flip_average}
+    backbone: {name, feature_dim, image_size, mean, std, finetuned, flip_average, pooling}
     backbones: {"sketch": state_dict, "photo": state_dict}   (shared storage if frozen)
     heads: {"sketch": state_dict, "photo": state_dict}, head_arch: {in_dim, hidden, L, mu}
     singular_values: (L,) float32, the CDK's Rayleigh quotients at the learned pairs
@@ -80,6 +80,7 @@ def save_checkpoint(
             "std": list(backbone.std),
             "finetuned": bool(finetuned),
             "flip_average": bool(backbone.flip_average),
+            "pooling": backbone.pooling,
         },
         "backbones": bb_state,
         "heads": {mod: cpu_state(heads[mod]) for mod in MODALITIES},
@@ -151,6 +152,7 @@ def init_checkpoint(
     backbone_weights: str | None = None,
     image_size: int = 224,
     flip_average: bool = True,
+    pooling: str = "gem",
 ) -> Path:
     """Write a complete but untrained checkpoint in seconds: real pretrained backbone
     weights, randomly initialised heads (seeded), singular values set to ones, and
@@ -158,9 +160,9 @@ def init_checkpoint(
     cfg = make_config(
         "cpu", backbone=backbone, L=L, hidden=hidden, seed=seed,
         backbone_weights=backbone_weights or "", image_size=image_size,
-        flip_average=flip_average,
+        flip_average=flip_average, pooling=pooling,
     )
-    bb = build_backbone(backbone, backbone_weights, cfg.flip_average)
+    bb = build_backbone(backbone, backbone_weights, cfg.flip_average, cfg.pooling)
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:

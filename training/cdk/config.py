@@ -49,6 +49,9 @@ class Config:
     # frozen backbones: features averaged with those of the mirrored image (twice the
     # backbone's cost per image, in training, indexing and each query; chosen on validation)
     flip_average: bool = True
+    # global pooling of the trunk's maps: avg | gem (generalised mean, p = 3; chosen on
+    # validation: +0.026 mAP over avg, mean of three seeds)
+    pooling: str = "gem"
     finetune: bool = False  # train the backbones with the heads (else cached frozen features)
     backbone_lr: float = 1e-4  # SGD lr of the backbones when finetuning
     trainable_stages: int = 0  # finetune: the last K blocks (+ final conv) train; 0: all
@@ -120,6 +123,7 @@ PRESETS: dict[str, dict] = {
         "backbone": "vgg16",
         "finetune": True,
         "flip_average": False,
+        "pooling": "avg",
         "workers": 8,
     },
 }
@@ -127,8 +131,9 @@ DEFAULT_PRESET = "cpu"
 
 # Fields that older checkpoints lack, with the value they were trained with where today's
 # default differs (joint nesting used uniform weights before the field existed; their
-# indexes were built without gallery smoothing, from features of the image alone).
-LEGACY = {"nesting_weights": "uniform", "smooth_k": 0, "flip_average": False}
+# indexes were built without gallery smoothing, from average-pooled features of the image
+# alone).
+LEGACY = {"nesting_weights": "uniform", "smooth_k": 0, "flip_average": False, "pooling": "avg"}
 
 
 def nesting_weights(cfg: Config):
@@ -164,6 +169,10 @@ def _check(cfg: Config) -> Config:
 
     if cfg.backbone not in BACKBONES:
         raise ValueError(f"backbone must be one of {sorted(BACKBONES)}, got {cfg.backbone!r}")
+    from .backbones import POOLINGS
+
+    if cfg.pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {cfg.pooling!r}")
     if cfg.bn not in BN_POLICIES:
         raise ValueError(f"bn must be one of {BN_POLICIES}, got {cfg.bn!r}")
     if cfg.finetune and cfg.flip_average:

@@ -45,7 +45,7 @@ class Embedder:
     Attributes: L, backbone (name), singular_values (L,), config (dict), checkpoint_sha256,
     device, image_size, trained, finetuned (the backbones were trained with the heads),
     flip_average (backbone features averaged with the mirror image's), trained_flip_average
-    (whether the checkpoint was trained so).
+    (whether the checkpoint was trained so), pooling (of the backbone's maps: avg or gem).
     """
 
     def __init__(self, ckpt: dict, sha256: str, device=None, source: str = "checkpoint",
@@ -61,6 +61,7 @@ class Embedder:
         self.trained_flip_average: bool = bool(meta.get("flip_average", False))
         self.flip_average: bool = (self.trained_flip_average if flip_average is None
                                    else bool(flip_average) and self.trained_flip_average)
+        self.pooling: str = str(meta.get("pooling", "avg"))  # earlier checkpoints: average
         self.config: dict = dict(ckpt["config"])
         self.checkpoint_sha256: str = sha256
         self.trained: bool = bool(ckpt["trained"])
@@ -75,7 +76,7 @@ class Embedder:
             if shared and mod == "photo":
                 self._backbones[mod] = self._backbones["sketch"]
                 continue
-            bb = bare_backbone(self.backbone, self.flip_average)
+            bb = bare_backbone(self.backbone, self.flip_average, self.pooling)
             _load_weights(bb.module, ckpt["backbones"][mod], f"{source!r} {mod} backbone")
             self._backbones[mod] = bb
         self._heads: dict[str, Head] = {}

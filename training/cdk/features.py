@@ -39,6 +39,8 @@ def cache_key(files, backbone: Backbone, module: torch.nn.Module, image_size: in
             "size": image_size, "mean": backbone.mean, "std": backbone.std}
     if backbone.flip_average:  # absent otherwise: the keys of earlier caches still hold
         head["flip_average"] = True
+    if backbone.pooling != "avg":  # likewise
+        head["pooling"] = backbone.pooling
     h.update(json.dumps(head, sort_keys=True).encode())
     for f in files:
         st = Path(f).stat()

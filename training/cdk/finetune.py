@@ -83,8 +83,8 @@ class Split:
         if self.name.startswith("efficientnet"):
             net = self._net
             x = self._lite_blocks(x, self._first, len(net._blocks))
-            return net._swish(net._bn1(net._conv_head(x))).mean(dim=(2, 3))
-        return self.module.trunk[self._start :](x).mean(dim=(2, 3))
+            return self.module.pool(net._swish(net._bn1(net._conv_head(x))))
+        return self.module.pool(self.module.trunk[self._start :](x))
 
 
 def set_train_mode(module: nn.Module, split: Split, bn: str) -> None:

@@ -48,7 +48,8 @@ def run(cfg: Config) -> dict:
     device = distributed.init_from_env()
     out = Path(cfg.out)
     split, tr, va, te = load_data(cfg)
-    bb = build_backbone(cfg.backbone, cfg.backbone_weights or None, cfg.flip_average)
+    bb = build_backbone(cfg.backbone, cfg.backbone_weights or None, cfg.flip_average,
+                        cfg.pooling)
     # rank 0 fills the feature cache, the other ranks then read it
     tr_s, tr_p = distributed.main_first(
         lambda: (_features(cfg, bb, tr.sketches, "train sketches", device),
