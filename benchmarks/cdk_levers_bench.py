@@ -1,13 +1,15 @@
 """Cheap levers on frozen features, compared on the validation classes only: what the heads
-see (mirror-averaged features, thickened sketch strokes, the last block's pooled output
-beside the final features, mirrored views as training augmentation), the joint-nesting
+see (mirror-averaged features, generalised-mean instead of average pooling, thickened sketch
+strokes, the last block's pooled output beside the final features, mirrored views as
+training augmentation), the joint-nesting
 weights, and the gallery smoothing grid; and whether sorting the learned modes by their
 estimated singular values makes better prefixes.
 
-Backbone features of every image are computed once (plain and mirrored, with forward hooks
-for the last block) and kept in OUT/features.pt; each variant then trains the cpu preset's
-heads (training.cdk.train) on its features and is scored on the validation classes. No test
-class is embedded: this chooses, the training command reports.
+Backbone features of every image are computed once (plain and mirrored, average- and
+GeM-pooled, with forward hooks for the last block) and kept in OUT/features.pt; each variant
+then trains the cpu preset's heads (training.cdk.train) on its features and is scored on
+the validation classes. No test class is embedded: this chooses, the training command
+reports.
 
     python -m benchmarks.cdk_levers_bench --data ../shared/data/sketchy-mini \\
         --out runs/cdk-levers-bench --seeds 0 1
@@ -28,7 +30,7 @@ from PIL import ImageFilter
 
 import training.cdk.train as train_mod
 from training.allocator import tune_allocator
-from training.cdk.backbones import NATIVE_SIZE, Backbone, build_backbone
+from training.cdk.backbones import NATIVE_SIZE, Backbone, build_backbone, global_pool
 from training.cdk.config import Config
 from training.cdk.data import scan
 from training.cdk.metrics import retrieval_metrics, smoothed_metrics, spectrum_order
@@ -42,6 +44,7 @@ from training.images import images_to_tensor, load_image
 VARIANTS = {
     "plain": ("sketch", ["gap"], {}),
     "mirror-averaged": ("sketch", ["gap"], {"flip": "both"}),
+    "mirror-averaged, GeM pooling": ("sketch", ["gem"], {"flip": "both"}),
     "mirror-averaged photos only": ("sketch", ["gap"], {"flip": "photo"}),
     "mirror-averaged sketches only": ("sketch", ["gap"], {"flip": "sketch"}),
     "mirrored views in training": ("sketch", ["gap"], {"views": True}),
@@ -55,8 +58,9 @@ VARIANTS = {
 
 @torch.no_grad()
 def _features(files, backbone: Backbone, size: int, transform, desc: str) -> dict:
-    """{"gap", "last", "flip_gap", "flip_last"}: (N, D) pooled final features and the last
-    block's pooled output, of each image and of its mirror image."""
+    """{"gap", "gem", "last", "flip_gap", "flip_gem", "flip_last"}: (N, D) average- and
+    GeM-pooled final features and the last block's average-pooled output, of each image and
+    of its mirror image."""
     net = backbone.module.trunk.net
     tap = {}
     net._blocks[-1].register_forward_hook(lambda m, a, o: tap.__setitem__("last", o))
@@ -67,7 +71,8 @@ def _features(files, backbone: Backbone, size: int, transform, desc: str) -> dic
                              backbone.mean, backbone.std)
         for prefix, view in (("", x), ("flip_", x.flip(3))):
             final = net.extract_features(view)
-            out.setdefault(prefix + "gap", []).append(final.mean((2, 3)))
+            out.setdefault(prefix + "gap", []).append(global_pool(final, "avg"))
+            out.setdefault(prefix + "gem", []).append(global_pool(final, "gem"))
             out.setdefault(prefix + "last", []).append(tap["last"].mean((2, 3)))
     net._blocks[-1]._forward_hooks.clear()
     print(f"  {desc}: {len(files)} images in {time.perf_counter() - t0:.0f}s", flush=True)
@@ -81,7 +86,9 @@ def _thicken(im):
 def load_features(data: str, out: Path, backbone: str) -> dict:
     path = out / "features.pt"
     if path.is_file():
-        return torch.load(path, weights_only=False)
+        feats = torch.load(path, weights_only=False)
+        if "gem" in feats["photo"]:  # files of earlier code lack it: recomputed
+            return feats
     ds = scan(data)
     bb = build_backbone(backbone)
     size = NATIVE_SIZE[backbone]
