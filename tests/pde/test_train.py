@@ -87,3 +87,57 @@ def test_cosine_schedule_ends_at_the_floor(floor):
     assert opt.param_groups[0]["lr"] == pytest.approx(2e-3 * floor, abs=1e-15)
     with pytest.raises(ValueError, match="lr_floor must be in \\[0, 1\\), got 1.0"):
         Config(lr_floor=1.0)
+
+
+def test_the_last_steps_draw_the_final_batch_size_and_resume_exactly(tmp_path, monkeypatch):
+    from training.pde.config import batch_size_at
+
+    cfg = _config(tmp_path / "full", final_batch_size=40, final_steps=2)
+    assert [batch_size_at(cfg, t) for t in range(4)] == [16, 16, 40, 40]
+    assert [batch_size_at(_config(tmp_path), t) for t in range(4)] == [16] * 4
+    drawn = []
+    problem = make_problem("hydrogen")
+    real_sample = type(problem).sample
+
+    def spy(self, n, *args, **kwargs):
+        drawn.append(n)
+        return real_sample(self, n, *args, **kwargs)
+
+    monkeypatch.setattr(type(problem), "sample", spy)
+    full, _ = train(cfg, progress=False)
+    assert drawn == [16, 16, 40, 40]
+
+    real_tqdm = train_module.tqdm
+
+    class StopAtThree(real_tqdm):
+        steps = 0
+
+        def update(self, n=1):
+            super().update(n)
+            StopAtThree.steps += n
+            if StopAtThree.steps == 3:  # after step 3 (a large batch); checkpoint at step 2
+                raise _Interrupt
+
+    monkeypatch.setattr(train_module, "tqdm", StopAtThree)
+    cut = _config(tmp_path / "cut", final_batch_size=40, final_steps=2)
+    with pytest.raises(_Interrupt):
+        train(cut, progress=False)
+    monkeypatch.setattr(train_module, "tqdm", real_tqdm)
+    drawn.clear()
+    resumed, _ = train(_config(tmp_path / "cut", final_batch_size=40, final_steps=2,
+                               resume=True), progress=False)
+    assert drawn == [40, 40]  # steps 3 and 4 again, with the final batch size
+    for a, b in zip(full.state_dict().values(), resumed.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b)
+    # the final batch is part of what was trained: changing it is not a resume
+    with pytest.raises(ValueError, match="final_batch_size: 40 -> 64"):
+        train(_config(tmp_path / "cut", final_batch_size=64, final_steps=2, resume=True),
+              progress=False)
+
+
+@pytest.mark.parametrize("kw", [{"final_steps": 5}, {"final_batch_size": 64},
+                                {"final_steps": -1, "final_batch_size": 64},
+                                {"final_steps": 5, "final_batch_size": 1}])
+def test_bad_final_batch_settings_are_errors(kw):
+    with pytest.raises(ValueError, match="final_"):
+        Config(**kw)

@@ -12,17 +12,23 @@ from training.pde.laplacian import LAPLACIANS
 from training.pde.methods import METHODS
 from training.pde.problems import PROBLEMS, Problem, make_problem
 
-__all__ = ["Config", "PRESETS", "preset", "problem_of", "parse_args"]
+__all__ = ["Config", "PRESETS", "batch_size_at", "preset", "problem_of", "parse_args"]
 
 
 @dataclass(frozen=True)
 class Config:
+    """Settings of one operator experiment; every field is a dashed flag."""
+
     problem: str = "hydrogen"
     ndim: int = 2
     method: str = "neuralsvd-seq"
     n_modes: int = 0  # 0: the problem's L (16 hydrogen, 55 for the 2D oscillator)
     iterations: int = 500_000
     batch_size: int = 128
+    # the last final_steps steps draw final_batch_size samples instead (0, 0: batch_size
+    # throughout): less gradient noise where the lr is small and the modes settle
+    final_batch_size: int = 0
+    final_steps: int = 0
     lr: float = 1e-4
     lr_floor: float = 0.0  # the cosine schedule decays the lr to lr * lr_floor (0: to zero)
     fourier_features: int = 1024  # K
@@ -72,6 +78,14 @@ class Config:
         if self.train_mix_fraction > 0 and not self.train_mix_std > 0:
             raise ValueError(f"train_mix_fraction {self.train_mix_fraction} needs "
                              f"train_mix_std > 0, got {self.train_mix_std!r}")
+        if self.final_steps < 0 or self.final_batch_size < 0:
+            raise ValueError(f"final_steps and final_batch_size must be >= 0, got "
+                             f"{self.final_steps}, {self.final_batch_size}")
+        if (self.final_steps > 0) != (self.final_batch_size > 0):
+            raise ValueError("final_steps and final_batch_size go together: both > 0 or both 0"
+                             f", got {self.final_steps}, {self.final_batch_size}")
+        if self.final_batch_size == 1:
+            raise ValueError("final_batch_size must be >= 2, got 1")
         if self.n_modes < 0 or self.eval_points < 0:
             raise ValueError(
                 f"n_modes and eval_points must be >= 0, got {self.n_modes}, {self.eval_points}"
@@ -163,3 +177,12 @@ def parse_args(argv: list[str] | None = None) -> Config:
         positional=("problem",),
     )
     return cli.parse(parser, _from_flags, argv)
+
+
+def batch_size_at(config: Config, step: int) -> int:
+    """The samples drawn at ``step`` (0-based): final_batch_size in the last final_steps
+    steps, batch_size before. A function of the step alone, so a resumed run draws the
+    same batches."""
+    if config.final_steps and step >= config.iterations - config.final_steps:
+        return config.final_batch_size
+    return config.batch_size

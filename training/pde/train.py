@@ -20,7 +20,7 @@ from training.pde.checkpoint import (
     load_train_state,
     save_checkpoint,
 )
-from training.pde.config import Config, problem_of
+from training.pde.config import Config, batch_size_at, problem_of
 from training.pde.laplacian import negative_hamiltonian
 from training.pde.methods import make_method
 from training.pde.networks import DisjointMLPs
@@ -86,7 +86,7 @@ def train(config: Config, progress: bool = True) -> tuple[DisjointMLPs, dict]:
     bar = tqdm(total=T, initial=step, disable=not progress, dynamic_ncols=True, leave=False)
     start = time.perf_counter() - seconds
     while step < T:
-        x = problem.sample(config.batch_size, gen, device, torch.float32)
+        x = problem.sample(batch_size_at(config, step), gen, device, torch.float32)
         ft, Tft = negative_hamiltonian(model, problem, x, config.laplacian, config.fd_eps)
         loss, eigs = method(ft, Tft, params)
         if not torch.isfinite(loss):
