@@ -23,9 +23,8 @@ class _Interrupt(Exception):
     pass
 
 
-def test_resume_after_an_interruption_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
-    full, _ = train(_config(tmp_path / "full"), progress=False)
-
+def _interrupted_after_step_3(monkeypatch, config):
+    """Train ``config`` and stop it after step 3 (its last checkpoint is from step 2)."""
     real_tqdm = train_module.tqdm
 
     class StopAtThree(real_tqdm):
@@ -34,13 +33,19 @@ def test_resume_after_an_interruption_reproduces_the_uninterrupted_run(tmp_path,
         def update(self, n=1):
             super().update(n)
             StopAtThree.steps += n
-            if StopAtThree.steps == 3:  # after step 3; the last checkpoint is from step 2
+            if StopAtThree.steps == 3:
                 raise _Interrupt
 
     monkeypatch.setattr(train_module, "tqdm", StopAtThree)
     with pytest.raises(_Interrupt):
-        train(_config(tmp_path / "cut"), progress=False)
+        train(config, progress=False)
     monkeypatch.setattr(train_module, "tqdm", real_tqdm)
+
+
+def test_resume_after_an_interruption_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
+    full, _ = train(_config(tmp_path / "full"), progress=False)
+
+    _interrupted_after_step_3(monkeypatch, _config(tmp_path / "cut"))
     config, _, ckpt = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
     assert ckpt["step"] == 2 and config.method == "spin"
 
@@ -107,22 +112,9 @@ def test_the_last_steps_draw_the_final_batch_size_and_resume_exactly(tmp_path, m
     full, _ = train(cfg, progress=False)
     assert drawn == [16, 16, 40, 40]
 
-    real_tqdm = train_module.tqdm
-
-    class StopAtThree(real_tqdm):
-        steps = 0
-
-        def update(self, n=1):
-            super().update(n)
-            StopAtThree.steps += n
-            if StopAtThree.steps == 3:  # after step 3 (a large batch); checkpoint at step 2
-                raise _Interrupt
-
-    monkeypatch.setattr(train_module, "tqdm", StopAtThree)
-    cut = _config(tmp_path / "cut", final_batch_size=40, final_steps=2)
-    with pytest.raises(_Interrupt):
-        train(cut, progress=False)
-    monkeypatch.setattr(train_module, "tqdm", real_tqdm)
+    # stopped after step 3, a large batch
+    _interrupted_after_step_3(monkeypatch, _config(tmp_path / "cut", final_batch_size=40,
+                                                   final_steps=2))
     drawn.clear()
     resumed, _ = train(_config(tmp_path / "cut", final_batch_size=40, final_steps=2,
                                resume=True), progress=False)
