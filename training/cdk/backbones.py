@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 __all__ = ["BACKBONES", "GEM_P", "NATIVE_SIZE", "POOLINGS", "Backbone", "bare_backbone",
-           "build_backbone", "global_pool", "weights_fingerprint"]
+           "build_backbone", "check_pooling", "global_pool", "weights_fingerprint"]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,13 @@ POOLINGS = ("avg", "gem")
 GEM_P = 3.0  # the exponent of generalised-mean pooling (Radenovic et al.'s usual value)
 
 
+def check_pooling(pooling: str) -> str:
+    """``pooling`` itself when it is one of POOLINGS; ValueError naming the choices else."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    return pooling
+
+
 def global_pool(x: torch.Tensor, pooling: str) -> torch.Tensor:
     """(N, D, H, W) feature maps -> (N, D). ``avg``: the mean over positions. ``gem``:
     generalised mean (mean_p x^p)^(1/p) with p = GEM_P of the maps clamped at 1e-6 (the
@@ -38,9 +45,8 @@ def global_pool(x: torch.Tensor, pooling: str) -> torch.Tensor:
     white background that dominates its mean."""
     if pooling == "avg":
         return x.mean(dim=(2, 3))
-    if pooling == "gem":
-        return x.clamp_min(1e-6).pow(GEM_P).mean(dim=(2, 3)).pow(1.0 / GEM_P)
-    raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    check_pooling(pooling)  # gem, or an error
+    return x.clamp_min(1e-6).pow(GEM_P).mean(dim=(2, 3)).pow(1.0 / GEM_P)
 
 
 class PooledFeatures(nn.Module):
@@ -58,11 +64,9 @@ class PooledFeatures(nn.Module):
 
     def __init__(self, trunk: nn.Module, flip_average: bool = False, pooling: str = "avg"):
         super().__init__()
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         self.trunk = trunk
         self.flip_average = bool(flip_average)
-        self.pooling = pooling
+        self.pooling = check_pooling(pooling)
 
     def pool(self, maps: torch.Tensor) -> torch.Tensor:
         """The trunk's (N, D, H, W) maps -> (N, D) by this module's pooling."""
@@ -207,8 +211,7 @@ def build_backbone(name: str, weights: str | None = None, flip_average: bool = F
     state dict stored in the file ``weights``. Returned in eval mode on the CPU."""
     if name not in BACKBONES:
         raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(BACKBONES)}")
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    check_pooling(pooling)  # before the weights are loaded
     module, dim = BACKBONES[name](weights or None)
     module.flip_average = bool(flip_average)  # every entry builds a PooledFeatures
     module.pooling = pooling

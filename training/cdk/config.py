@@ -165,14 +165,11 @@ def _check(cfg: Config) -> Config:
                          f"only, not {cfg.method!r}")
     if cfg.pairing not in PAIRINGS:
         raise ValueError(f"pairing must be one of {PAIRINGS}, got {cfg.pairing!r}")
-    from .backbones import BACKBONES  # local: keep config import light
+    from .backbones import BACKBONES, check_pooling  # local: keep config import light
 
     if cfg.backbone not in BACKBONES:
         raise ValueError(f"backbone must be one of {sorted(BACKBONES)}, got {cfg.backbone!r}")
-    from .backbones import POOLINGS
-
-    if cfg.pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {POOLINGS}, got {cfg.pooling!r}")
+    check_pooling(cfg.pooling)
     if cfg.bn not in BN_POLICIES:
         raise ValueError(f"bn must be one of {BN_POLICIES}, got {cfg.bn!r}")
     if cfg.finetune and cfg.flip_average:
