@@ -1,7 +1,7 @@
 """Cheap levers on frozen features, compared on the validation classes only: what the heads
 see (mirror-averaged features, generalised-mean instead of average pooling, thickened sketch
 strokes, the last block's pooled output beside the final features, mirrored views as
-training augmentation), the joint-nesting
+training augmentation), dropout of the heads' input features, the joint-nesting
 weights, and the gallery smoothing grid; and whether sorting the learned modes by their
 estimated singular values makes better prefixes.
 
@@ -40,7 +40,9 @@ from training.cdk.splits import split_classes
 from training.cdk.train import TrainData
 from training.images import images_to_tensor, load_image
 
-# name -> (sketch feature set, feature keys joined, training options)
+# name -> (sketch feature set, feature keys joined, training options). Options: flip (which
+# modalities are mirror-averaged), views, cap (nesting weights 1/max(l, cap)), dropout (the
+# heads' input dropout; 0 where absent, as the preset had it when those rows were measured).
 VARIANTS = {
     "plain": ("sketch", ["gap"], {}),
     "mirror-averaged": ("sketch", ["gap"], {"flip": "both"}),
@@ -53,6 +55,12 @@ VARIANTS = {
     "+ last block pooled": ("sketch", ["gap", "last"], {}),
     "mirror-averaged, weights 1/max(l,16)": ("sketch", ["gap"], {"flip": "both", "cap": 16}),
     "mirror-averaged, weights 1/max(l,32)": ("sketch", ["gap"], {"flip": "both", "cap": 32}),
+    "GeM, mirror-averaged photos only": ("sketch", ["gem"], {"flip": "photo"}),
+    "GeM, input dropout 0.2": ("sketch", ["gem"], {"flip": "both", "dropout": 0.2}),
+    "GeM, input dropout 0.3": ("sketch", ["gem"], {"flip": "both", "dropout": 0.3}),
+    "GeM, input dropout 0.5": ("sketch", ["gem"], {"flip": "both", "dropout": 0.5}),
+    "GeM, input dropout 0.3, mirror-averaged photos only": (
+        "sketch", ["gem"], {"flip": "photo", "dropout": 0.3}),
 }
 
 
@@ -132,7 +140,8 @@ def run_variant(F: dict, name: str, seed: int, split: str) -> dict:
     if opt.get("views"):  # the mirrored images' features as a second view to draw from
         data.sketch_views = _pick(F, sketch_set, keys, False, "flip_")[ts][None]
         data.photo_views = _pick(F, "photo", keys, False, "flip_")[tp][None]
-    cfg = dataclasses.replace(Config(image_size=F["size"]), seed=seed, out="")
+    cfg = dataclasses.replace(Config(image_size=F["size"]), seed=seed, out="",
+                              input_dropout=opt.get("dropout", 0.0))
     backbone = Backbone("features", torch.nn.Identity(), S.shape[1], (0, 0, 0), (1, 1, 1))
     own = train_mod.nesting_weights
     if "cap" in opt:  # w_l = 1 / max(l, cap): the first cap modes weighted alike

@@ -32,9 +32,9 @@ class Settings(BaseSettings):
         "once per checkpoint, cached in the index folder), PyTorch on CUDA")
     mirror_queries: bool | None = Field(
         default=None, description="None: sketches embedded as the checkpoint was trained "
-        "(the cpu preset averages each sketch with its mirror image: two backbone passes); "
-        "false: the sketch alone, one pass (x1.6 queries/s on the CPU, validation mAP 0.569 "
-        "instead of 0.594)")
+        "(the cpu preset embeds each sketch alone, one backbone pass; a checkpoint trained "
+        "with --flip-average-sketches averages it with its mirror image: two passes); "
+        "false: the sketch alone even then (x1.6 queries/s on the CPU)")
     threads: int = Field(default=1, ge=1, description="torch/FAISS threads per inference")
     inference_slots: int = Field(default=2, ge=1, description="concurrent decodes + forwards")
     embed_batch: int = Field(default=4, ge=1, description="sketches per forward; bounds the "

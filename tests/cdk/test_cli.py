@@ -85,7 +85,10 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
     # The checkpoint alone reproduces the reported numbers through the Embedder.
     ck = load_checkpoint(out / "checkpoint.pt")
     assert ck["epoch"] == 2 and ck["train_state"] is None and ck["trained"]
+    # the preset's photos are mirror-averaged, its sketches (the queries) are not
+    assert ck["backbone"]["flip_average"] and not ck["backbone"]["sketch_flip_average"]
     e = Embedder.from_checkpoint(out / "checkpoint.pt", device="cpu")
+    assert e.photo_flip_average and not e.flip_average
     for classes, want in ((TEST, m), (VALID, v)):  # test numbers top level, valid in "valid"
         te = scan(root).restrict(list(classes))
         f = e.embed([load_image(p) for p in te.sketches], "sketch")

@@ -125,3 +125,26 @@ def test_from_dict_loads_older_checkpoints():
     loaded = from_dict({**old, "untrained": True})
     assert loaded.nesting_weights == "uniform" and loaded.pairing == "class"
     assert loaded == make_config(nesting_weights="uniform")
+
+
+def test_input_dropout_values():
+    assert Config().input_dropout == 0.3 and make_config("paper").input_dropout == 0.0
+    assert make_config(input_dropout=0.0).input_dropout == 0.0
+    for bad in (-0.1, 1.0, 1.5):
+        with pytest.raises(ValueError, match="input_dropout must be in"):
+            make_config(input_dropout=bad)
+    # heads of checkpoints written before the field existed were trained without it
+    old = {k: v for k, v in to_dict(make_config()).items() if k != "input_dropout"}
+    assert from_dict(old).input_dropout == 0.0
+
+
+def test_sketch_mirror_averaging_is_a_choice_on_top_of_the_photos():
+    from training.cdk.config import sketch_flip_average
+
+    assert not sketch_flip_average(Config()) and Config().flip_average
+    assert sketch_flip_average(make_config(flip_average_sketches=True))
+    with pytest.raises(ValueError, match="needs --flip-average true"):
+        make_config(flip_average=False, flip_average_sketches=True)
+    # checkpoints of earlier code averaged sketches whenever they averaged photos
+    old = {k: v for k, v in to_dict(make_config()).items() if k != "flip_average_sketches"}
+    assert sketch_flip_average(from_dict(old))

@@ -138,11 +138,41 @@ def test_a_mirrored_image_embeds_as_the_image(ckpt, tmp_path):
         np.testing.assert_allclose(e.embed(mirrored, mod), e.embed(ims, mod), rtol=1e-4,
                                    atol=1e-5)
     old = load_checkpoint(ckpt)
-    del old["backbone"]["flip_average"]
+    del old["backbone"]["flip_average"], old["backbone"]["sketch_flip_average"]
     torch.save(old, tmp_path / "old.pt")
     e_old = Embedder.from_checkpoint(tmp_path / "old.pt", device="cpu")
-    assert not e_old.flip_average
+    assert not e_old.flip_average and not e_old.photo_flip_average
     assert not np.allclose(e_old.embed(mirrored, "photo"), e_old.embed(ims, "photo"), atol=1e-3)
+
+
+def test_photos_mirror_averaged_sketches_alone(tmp_path):
+    # the cpu preset averages photos over the mirror image and embeds sketches alone (one
+    # backbone pass a query); both modalities share one trunk in the checkpoint
+    path = init_checkpoint(tmp_path / "c.pt", L=8, hidden=16, image_size=64,
+                           flip_average_sketches=False)
+    meta = load_checkpoint(path)["backbone"]
+    assert meta["flip_average"] and not meta["sketch_flip_average"]
+    e = Embedder.from_checkpoint(path, device="cpu")
+    assert e.photo_flip_average and not e.flip_average and not e.trained_flip_average
+    ims = _images()
+    mirrored = [im.transpose(Image.Transpose.FLIP_LEFT_RIGHT) for im in ims]
+    np.testing.assert_allclose(e.embed(mirrored, "photo"), e.embed(ims, "photo"), rtol=1e-4,
+                               atol=1e-5)
+    assert not np.allclose(e.embed(mirrored, "sketch"), e.embed(ims, "sketch"), atol=1e-3)
+    sketch_bb, photo_bb = e.modules("sketch")[0], e.modules("photo")[0]
+    assert sketch_bb.trunk is photo_bb.trunk  # one set of weights
+    # the sketch backbone is the photo one's trunk pooled without the mirror image
+    x = e.preprocess(ims, "sketch")
+    with torch.no_grad():
+        both = photo_bb.pool(photo_bb.trunk(torch.cat([x, x.flip(3)])))
+    torch.testing.assert_close(e.backbone_features(x, "sketch"), both[: len(ims)])
+    torch.testing.assert_close(e.backbone_features(x, "photo"),
+                               0.5 * (both[: len(ims)] + both[len(ims):]))
+    # a checkpoint of earlier code (no sketch key) averaged sketches as it did photos
+    old = load_checkpoint(path)
+    del old["backbone"]["sketch_flip_average"]
+    torch.save(old, tmp_path / "old.pt")
+    assert Embedder.from_checkpoint(tmp_path / "old.pt", device="cpu").flip_average
 
 
 def test_the_checkpoint_says_how_the_backbone_pools(ckpt, tmp_path):

@@ -151,3 +151,49 @@ def test_feature_views_are_for_frozen_backbones():
         make_config("cpu", finetune=True, flip_average=False, feature_views=2)
     with pytest.raises(ValueError, match="feature_views"):
         make_config("cpu", feature_views=-1)
+
+
+def test_input_dropout_scales_the_standardised_input():
+    torch.manual_seed(0)
+    head = train_mod.Head(6, 16, 4, 16.0)
+    head.set_feature_stats(torch.randn(50, 6) * 3 + 1)
+    x, scale = torch.randn(5, 6), (torch.rand(5, 6) < 0.7).float() / 0.7
+    z = head.mlp((x - head.feat_mean) / head.feat_std * scale)
+    want = z * torch.clamp(16.0 / z.norm(dim=1, keepdim=True), max=1.0)
+    torch.testing.assert_close(head(x, scale), want)
+    torch.testing.assert_close(head(x), head(x, torch.ones(5, 6)))  # no scale: untouched
+
+
+def test_input_dropout_masks_are_drawn_per_step_at_the_configured_rate(tmp_path, monkeypatch):
+    seen = []
+    real = train_mod.Head.forward
+
+    def spy(self, x, input_scale=None):
+        seen.append(input_scale)
+        return real(self, x, input_scale)
+
+    monkeypatch.setattr(train_mod.Head, "forward", spy)
+    data = synthetic_data()
+    train_mod.train(_cfg(tmp_path, input_dropout=0.25, epochs=2), data, synthetic_backbone(),
+                    tmp_path / "drop")
+    scales = [s for s in seen if s is not None]
+    assert len(scales) == 2 * 2 * (len(data.sketch_labels) // 8)  # 2 heads, every step
+    both = torch.stack(scales)  # (steps x 2, B, D)
+    assert torch.isin(both, torch.tensor([0.0, 1 / 0.75])).all()
+    assert abs((both == 0).float().mean().item() - 0.25) < 0.05
+    assert not torch.equal(scales[0], scales[2])  # a new mask each step
+    # the spectrum after each epoch embeds all 24 rows of each modality without a mask
+    assert all(s is None or s.shape == (8, 6) for s in seen)
+    assert sum(s is None for s in seen) == 2 * 2
+    seen.clear()
+    train_mod.train(_cfg(tmp_path, input_dropout=0.0, epochs=1), data, synthetic_backbone(),
+                    tmp_path / "nodrop")
+    assert all(s is None for s in seen)
+
+
+def test_input_dropout_changes_training(tmp_path):
+    data = synthetic_data()
+    runs = [train_mod.train(_cfg(tmp_path, input_dropout=p), data, synthetic_backbone(),
+                            tmp_path / str(p)).heads["sketch"].state_dict()["mlp.0.weight"]
+            for p in (0.0, 0.3)]
+    assert not torch.allclose(*runs)

@@ -8,6 +8,7 @@ Adding a backbone touches only ``BACKBONES``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -19,7 +20,8 @@ import torch
 from torch import nn
 
 __all__ = ["BACKBONES", "GEM_P", "NATIVE_SIZE", "POOLINGS", "Backbone", "bare_backbone",
-           "build_backbone", "check_pooling", "global_pool", "weights_fingerprint"]
+           "build_backbone", "check_pooling", "global_pool", "weights_fingerprint",
+           "with_flip_average"]
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +230,16 @@ def bare_backbone(name: str, flip_average: bool = False, pooling: str = "avg") -
         raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(BACKBONES)}")
     module = PooledFeatures(trunk, flip_average, pooling)
     return Backbone(name, module.eval(), dim, IMAGENET_MEAN, IMAGENET_STD)
+
+
+def with_flip_average(backbone: Backbone, flip_average: bool) -> Backbone:
+    """``backbone`` itself when it already averages over mirror images as asked, else the
+    same trunk (shared weights, nothing copied) pooled with ``flip_average``: the photos of
+    the cpu preset are mirror-averaged and its sketches are not."""
+    if backbone.flip_average == bool(flip_average):
+        return backbone
+    module = PooledFeatures(backbone.module.trunk, flip_average, backbone.pooling)
+    return dataclasses.replace(backbone, module=module.train(backbone.module.training))
 
 
 def weights_fingerprint(module: nn.Module) -> str:

@@ -4,7 +4,8 @@ Layout (a dict saved with torch.save)::
 
     format: "sketchsvd-cdk", version: 1
     config: Config as a dict (how it was built; loaders need no flags)
-    backbone: {name, feature_dim, image_size, mean, std, finetuned, flip_average, pooling}
+    backbone: {name, feature_dim, image_size, mean, std, finetuned, flip_average (photos),
+               sketch_flip_average (absent in earlier files: as flip_average), pooling}
     backbones: {"sketch": state_dict, "photo": state_dict}   (shared storage if frozen)
     heads: {"sketch": state_dict, "photo": state_dict}, head_arch: {in_dim, hidden, L, mu}
     singular_values: (L,) float32, the CDK's Rayleigh quotients at the learned pairs
@@ -51,9 +52,14 @@ def save_checkpoint(
     train_state: dict | None = None,
     history: list | None = None,
     singular_values_norm: torch.Tensor | None = None,
+    sketch_flip_average: bool | None = None,
 ) -> Path:
     """Write a CDK checkpoint atomically. backbones / heads: one module per modality
-    ("sketch", "photo"); the same module object for both is stored once."""
+    ("sketch", "photo"); the same module object for both is stored once.
+    ``backbone.flip_average`` is the photos' mirror averaging; ``sketch_flip_average`` the
+    sketches' (None: the same)."""
+    if sketch_flip_average is None:
+        sketch_flip_average = backbone.flip_average
     for name, d in (("backbones", backbones), ("heads", heads)):
         if set(d) != set(MODALITIES):
             raise ValueError(f"{name} must have keys {MODALITIES}, got {sorted(d)}")
@@ -80,6 +86,7 @@ def save_checkpoint(
             "std": list(backbone.std),
             "finetuned": bool(finetuned),
             "flip_average": bool(backbone.flip_average),
+            "sketch_flip_average": bool(sketch_flip_average),
             "pooling": backbone.pooling,
         },
         "backbones": bb_state,
@@ -153,14 +160,18 @@ def init_checkpoint(
     image_size: int = 224,
     flip_average: bool = True,
     pooling: str = "gem",
+    flip_average_sketches: bool | None = None,
 ) -> Path:
     """Write a complete but untrained checkpoint in seconds: real pretrained backbone
     weights, randomly initialised heads (seeded), singular values set to ones, and
-    ``trained: False`` (also ``config["untrained"] = True``). For tests of loaders."""
+    ``trained: False`` (also ``config["untrained"] = True``). For tests of loaders.
+    ``flip_average_sketches`` None: sketches are mirror-averaged as photos are."""
+    if flip_average_sketches is None:
+        flip_average_sketches = flip_average
     cfg = make_config(
         "cpu", backbone=backbone, L=L, hidden=hidden, seed=seed,
         backbone_weights=backbone_weights or "", image_size=image_size,
-        flip_average=flip_average, pooling=pooling,
+        flip_average=flip_average, pooling=pooling, flip_average_sketches=flip_average_sketches,
     )
     bb = build_backbone(backbone, backbone_weights, cfg.flip_average, cfg.pooling)
     gen_state = torch.random.get_rng_state()
@@ -179,4 +190,5 @@ def init_checkpoint(
         singular_values=torch.ones(L),
         trained=False,
         epoch=0,
+        sketch_flip_average=cfg.flip_average and cfg.flip_average_sketches,
     )

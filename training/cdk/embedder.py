@@ -20,7 +20,7 @@ from PIL import Image
 from training.device import pick_device
 from training.images import images_to_tensor
 
-from .backbones import Backbone, bare_backbone
+from .backbones import Backbone, bare_backbone, with_flip_average
 from .checkpoint import read_checkpoint
 from .model import MODALITIES, Head
 
@@ -44,8 +44,9 @@ class Embedder:
 
     Attributes: L, backbone (name), singular_values (L,), config (dict), checkpoint_sha256,
     device, image_size, trained, finetuned (the backbones were trained with the heads),
-    flip_average (backbone features averaged with the mirror image's), trained_flip_average
-    (whether the checkpoint was trained so), pooling (of the backbone's maps: avg or gem).
+    flip_average (sketch features averaged with the mirror image's, as queries are
+    embedded), trained_flip_average (whether the checkpoint's sketches were trained so),
+    photo_flip_average (whether its photos are), pooling (of the backbone's maps: avg or gem).
     """
 
     def __init__(self, ckpt: dict, sha256: str, device=None, source: str = "checkpoint",
@@ -56,9 +57,12 @@ class Embedder:
         self.image_size: int = int(meta["image_size"])
         self._mean, self._std = tuple(meta["mean"]), tuple(meta["std"])
         # features averaged with the mirror image's as trained (absent from earlier
-        # checkpoints: off); ``flip_average`` False embeds images alone even so (a query
-        # costs one backbone pass instead of two, at some accuracy)
-        self.trained_flip_average: bool = bool(meta.get("flip_average", False))
+        # checkpoints: off; sketch_flip_average absent: as the photos); ``flip_average``
+        # False embeds sketches alone even so (a query costs one backbone pass instead of
+        # two, at some accuracy)
+        self.photo_flip_average: bool = bool(meta.get("flip_average", False))
+        self.trained_flip_average: bool = bool(meta.get("sketch_flip_average",
+                                                        self.photo_flip_average))
         self.flip_average: bool = (self.trained_flip_average if flip_average is None
                                    else bool(flip_average) and self.trained_flip_average)
         self.pooling: str = str(meta.get("pooling", "avg"))  # earlier checkpoints: average
@@ -72,11 +76,13 @@ class Embedder:
 
         self._backbones: dict[str, Backbone] = {}
         shared = ckpt["backbones"]["sketch"] is ckpt["backbones"]["photo"]
+        flips = {"sketch": self.flip_average, "photo": self.photo_flip_average}
         for mod in MODALITIES:
-            if shared and mod == "photo":
-                self._backbones[mod] = self._backbones["sketch"]
+            if shared and mod == "photo":  # one trunk, pooled as the photos were trained
+                self._backbones[mod] = with_flip_average(self._backbones["sketch"],
+                                                         flips[mod])
                 continue
-            bb = bare_backbone(self.backbone, self.flip_average, self.pooling)
+            bb = bare_backbone(self.backbone, flips[mod], self.pooling)
             _load_weights(bb.module, ckpt["backbones"][mod], f"{source!r} {mod} backbone")
             self._backbones[mod] = bb
         self._heads: dict[str, Head] = {}
@@ -84,7 +90,7 @@ class Embedder:
             head = Head(int(arch["in_dim"]), int(arch["hidden"]), self.L, float(arch["mu"]))
             _load_weights(head, ckpt["heads"][mod], f"{source!r} {mod} head")
             self._heads[mod] = head.to(self.device).eval()
-        for bb in {id(b): b for b in self._backbones.values()}.values():
+        for bb in {id(b.module): b for b in self._backbones.values()}.values():
             bb.module.to(self.device).eval()
 
     @classmethod

@@ -3,7 +3,9 @@
 Each head standardises its input with fixed statistics of the training features (stored
 as buffers so a checkpoint carries them), applies an MLP with one hidden layer, and caps
 the output norm at mu: the paper's regulariser ||f(x)||_2 <= mu that keeps the unbounded
-LoRA objective's iterates bounded.
+LoRA objective's iterates bounded. While training, the standardised input may be multiplied
+by a dropout mask that the training loop draws (``input_scale``; training.cdk.train draws
+it for the whole global batch, so a run on W processes equals a run on one).
 """
 
 from __future__ import annotations
@@ -40,8 +42,13 @@ class Head(nn.Module):
     def arch(self) -> dict:
         return {"in_dim": self.in_dim, "hidden": self.hidden, "L": self.L, "mu": self.mu}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        z = self.mlp((x - self.feat_mean) / self.feat_std)  # (N, L)
+    def forward(self, x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """input_scale: (N, in_dim) factors applied to the standardised input (a dropout
+        mask divided by the keep probability), or None (every embedding)."""
+        x = (x - self.feat_mean) / self.feat_std  # (N, in_dim)
+        if input_scale is not None:
+            x = x * input_scale
+        z = self.mlp(x)  # (N, L)
         # Radial cap: rescale rows whose norm exceeds mu onto the sphere of radius mu.
         norm = z.norm(dim=1, keepdim=True).clamp_min(1e-12)
         return z * torch.clamp(self.mu / norm, max=1.0)

@@ -15,8 +15,8 @@ import torch
 from training.files import atomic_write_text
 
 from . import distributed
-from .backbones import Backbone, build_backbone
-from .config import Config, smoothing, to_dict
+from .backbones import Backbone, build_backbone, with_flip_average
+from .config import Config, sketch_flip_average, smoothing, to_dict
 from .data import Dataset, scan
 from .features import extract_features
 from .metrics import (
@@ -50,14 +50,16 @@ def run(cfg: Config) -> dict:
     split, tr, va, te = load_data(cfg)
     bb = build_backbone(cfg.backbone, cfg.backbone_weights or None, cfg.flip_average,
                         cfg.pooling)
+    # one trunk; the sketches are mirror-averaged only with flip_average_sketches
+    bbs = {"sketch": with_flip_average(bb, sketch_flip_average(cfg)), "photo": bb}
     # rank 0 fills the feature cache, the other ranks then read it
     tr_s, tr_p = distributed.main_first(
-        lambda: (_features(cfg, bb, tr.sketches, "train sketches", device),
+        lambda: (_features(cfg, bbs["sketch"], tr.sketches, "train sketches", device),
                  _features(cfg, bb, tr.photos, "train photos", device)))
     views = (None, None)
     if cfg.feature_views > 0:
         views = distributed.main_first(lambda: tuple(
-            view_features(files, mod, bb, cfg.image_size, cfg.feature_views, cfg.seed,
+            view_features(files, mod, bbs[name], cfg.image_size, cfg.feature_views, cfg.seed,
                           cfg.cache_dir or None, device=device, desc=f"train {name} views")
             for mod, (name, files) in enumerate((("sketch", tr.sketches),
                                                  ("photo", tr.photos)))))
@@ -67,8 +69,8 @@ def run(cfg: Config) -> dict:
     if distributed.rank_and_world()[0] != 0:
         distributed.shutdown()  # waits for rank 0's evaluation
         return {}
-    ev = evaluate(cfg, bb, res, te, tr_s, tr_p, device)
-    valid = evaluate_valid(cfg, bb, res, va, device)
+    ev = evaluate(cfg, bbs, res, te, tr_s, tr_p, device)
+    valid = evaluate_valid(cfg, bbs, res, va, device)
     log.info("mAP@all: valid %s, test %.4f (choose settings on valid)",
              "n/a (no validation classes)" if valid is None else f"{valid['map_all']:.4f}",
              ev.full["map_all"])
@@ -135,30 +137,34 @@ class Evaluation:
     smoothed: dict | None = None  # against the smoothed gallery (None: smoothing off)
 
 
-def embed_dataset(cfg: Config, bb: Backbone, res: TrainResult, ds: Dataset, name: str,
-                  device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def embed_dataset(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, ds: Dataset,
+                  name: str, device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(f (Qs, L), g (Np, L), x_s (Qs, D), x_p (Np, D)): the trained model's embeddings of
     ``ds`` and the backbone features they were computed from (the fine-tuned backbones'
-    when there are any, else the pretrained one's); ``name`` labels the progress."""
+    when there are any, else the pretrained ones of ``bbs``, per modality); ``name`` labels
+    the progress."""
     dev = next(res.heads["sketch"].parameters()).device
-    bbs = res.backbones or {}
-    x_s = _features(cfg, bb, ds.sketches, f"{name} sketches", device, bbs.get("sketch"))
-    x_p = _features(cfg, bb, ds.photos, f"{name} photos", device, bbs.get("photo"))
+    tuned = res.backbones or {}
+    x_s = _features(cfg, bbs["sketch"], ds.sketches, f"{name} sketches", device,
+                    tuned.get("sketch"))
+    x_p = _features(cfg, bbs["photo"], ds.photos, f"{name} photos", device, tuned.get("photo"))
     return (embed_features(res.heads["sketch"], x_s, dev),
             embed_features(res.heads["photo"], x_p, dev), x_s, x_p)
 
 
-def evaluate(cfg: Config, bb: Backbone, res: TrainResult, te: Dataset, tr_s: torch.Tensor,
-             tr_p: torch.Tensor, device) -> Evaluation:
+def evaluate(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, te: Dataset,
+             tr_s: torch.Tensor, tr_p: torch.Tensor, device) -> Evaluation:
     """Embed the test classes with the trained heads (and backbones, if fine-tuned) and
-    score them; tr_s, tr_p: (N, D) training features, the PCA baseline's fit."""
+    score them; bbs: the pretrained backbone per modality; tr_s, tr_p: (N, D) training
+    features, the PCA baseline's fit."""
     dev = next(res.heads["sketch"].parameters()).device
-    f, g, te_s, te_p = embed_dataset(cfg, bb, res, te, "test", device)
+    f, g, te_s, te_p = embed_dataset(cfg, bbs, res, te, "test", device)
     labels = (te.sketch_labels, te.photo_labels)
     curves = structure_curves(f, g, *labels, cfg.k)
     if res.backbones is not None:  # the baseline is the pretrained backbone, not the tuned one
-        te_s = _features(cfg, bb, te.sketches, "test sketches", device)
-        te_p = _features(cfg, bb, te.photos, "test photos", device)
+        te_s = _features(cfg, bbs["sketch"], te.sketches, "test sketches", device)
+        te_p = _features(cfg, bbs["photo"], te.photos, "test photos", device)
     return Evaluation(
         f=f, g=g,
         full=retrieval_metrics(f, g, *labels, cfg.k),
@@ -171,14 +177,14 @@ def evaluate(cfg: Config, bb: Backbone, res: TrainResult, te: Dataset, tr_s: tor
     )
 
 
-def evaluate_valid(cfg: Config, bb: Backbone, res: TrainResult, va: Dataset,
+def evaluate_valid(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, va: Dataset,
                    device) -> dict | None:
     """metrics.json's "valid" block: retrieval metrics of the trained embeddings on the
     validation classes, in full and by the d most significant modes (no baselines: they do
     not depend on the trained model). None when the split has no validation classes."""
     if not va.classes:
         return None
-    f, g, _, _ = embed_dataset(cfg, bb, res, va, "valid", device)
+    f, g, _, _ = embed_dataset(cfg, bbs, res, va, "valid", device)
     labels = (va.sketch_labels, va.photo_labels)
     most = structure_curves(f, g, *labels, cfg.k)["most"]
     return {

@@ -26,7 +26,14 @@ from training.device import pick_device
 from ..loss import cdk_loss, cdk_singular_values, nesting_masks, singular_values
 from .backbones import Backbone
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import NESTING_OF, RUNTIME_FIELDS, Config, nesting_weights, to_dict
+from .config import (
+    NESTING_OF,
+    RUNTIME_FIELDS,
+    Config,
+    nesting_weights,
+    sketch_flip_average,
+    to_dict,
+)
 from .data import PairSampler
 from .distributed import barrier, gather_rows, rank_and_world
 from .finetune import Split, StepImages, set_train_mode, step_loader, trunk_cache, validate_images
@@ -77,13 +84,15 @@ class PairModel(nn.Module):
         self.backbones = nn.ModuleDict(backbones) if backbones else None
         self.splits = splits
 
-    def encode(self, x: torch.Tensor, modality: str) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, modality: str,
+               input_scale: torch.Tensor | None = None) -> torch.Tensor:
         if self.backbones is not None:
             x = self.splits[modality].tail(x)
-        return self.heads[modality](x)
+        return self.heads[modality](x, input_scale)
 
-    def forward(self, xs: torch.Tensor, ys: torch.Tensor):
-        return self.encode(xs, "sketch"), self.encode(ys, "photo")
+    def forward(self, xs: torch.Tensor, ys: torch.Tensor, scales=(None, None)):
+        """scales: the heads' input dropout factors (sketch, photo), each (B, D) or None."""
+        return self.encode(xs, "sketch", scales[0]), self.encode(ys, "photo", scales[1])
 
 
 def _comparable(cfg: dict) -> dict:
@@ -277,9 +286,23 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
     feats = {"sketch": data.sketch_feats.to(device), "photo": data.photo_feats.to(device)}
     lo, hi = rank * (B // world), (rank + 1) * (B // world)  # this rank's slice of a batch
 
+    drop_gen = torch.Generator()
+
+    def input_scales():
+        """The heads' input dropout factors (mask / keep probability) of this rank's rows,
+        per modality: drawn for all B rows of the global batch and sliced like it, so a run
+        on W processes equals one on a single process."""
+        if cfg.input_dropout == 0:
+            return None, None
+        keep = 1.0 - cfg.input_dropout
+        masks = [torch.rand(B, backbone.feature_dim, generator=drop_gen) < keep
+                 for _ in MODALITIES]
+        return tuple((m[lo:hi].float() / keep).to(device) for m in masks)
+
     def step(xs, ys, optimizer, scheduler, module):
+        scales = input_scales()
         with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
-            f, g = module(xs, ys)  # (B/W, L) each
+            f, g = module(xs, ys, scales)  # (B/W, L) each
         if world > 1:
             f, g = gather_rows(f, world, rank), gather_rows(g, world, rank)
         loss = cdk_loss(f.float(), g.float(), m_vec, m_mat)
@@ -318,6 +341,7 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
         t0, losses = time.perf_counter(), []
         torch.manual_seed(cfg.seed * 1_000_003 + epoch)  # dropout/drop-connect: resumable
         view_gen.manual_seed(cfg.seed * 1_000_003 + epoch)
+        drop_gen.manual_seed(cfg.seed * 1_000_003 + epoch + 500_009)  # its own stream
         if epoch < cfg.epochs:
             optimizer, scheduler = opt, sched
             _train_mode(model, cfg)
@@ -366,6 +390,7 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
             last = epoch + 1 == total
             save_checkpoint(
                 ckpt_path, config=to_dict(cfg), backbone=backbone, image_size=cfg.image_size,
+                sketch_flip_average=sketch_flip_average(cfg),
                 backbones=dict(model.backbones.items()) if bbs is not None
                 else {"sketch": backbone.module, "photo": backbone.module},
                 heads=dict(model.heads), singular_values=sv, singular_values_norm=sv_norm,
