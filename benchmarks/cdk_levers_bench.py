@@ -59,6 +59,8 @@ VARIANTS = {
     "GeM, input dropout 0.2": ("sketch", ["gem"], {"flip": "both", "dropout": 0.2}),
     "GeM, input dropout 0.3": ("sketch", ["gem"], {"flip": "both", "dropout": 0.3}),
     "GeM, input dropout 0.5": ("sketch", ["gem"], {"flip": "both", "dropout": 0.5}),
+    "GeM, input dropout 0.2, mirror-averaged photos only": (
+        "sketch", ["gem"], {"flip": "photo", "dropout": 0.2}),
     "GeM, input dropout 0.3, mirror-averaged photos only": (
         "sketch", ["gem"], {"flip": "photo", "dropout": 0.3}),
 }
