@@ -52,14 +52,11 @@ def save_checkpoint(
     train_state: dict | None = None,
     history: list | None = None,
     singular_values_norm: torch.Tensor | None = None,
-    sketch_flip_average: bool | None = None,
 ) -> Path:
     """Write a CDK checkpoint atomically. backbones / heads: one module per modality
     ("sketch", "photo"); the same module object for both is stored once.
-    ``backbone.flip_average`` is the photos' mirror averaging; ``sketch_flip_average`` the
-    sketches' (None: the same)."""
-    if sketch_flip_average is None:
-        sketch_flip_average = backbone.flip_average
+    ``backbone.flip_average`` is the photos' mirror averaging; the sketches' is that and
+    the config's ``flip_average_sketches`` (configs without the key: the photos')."""
     for name, d in (("backbones", backbones), ("heads", heads)):
         if set(d) != set(MODALITIES):
             raise ValueError(f"{name} must have keys {MODALITIES}, got {sorted(d)}")
@@ -86,7 +83,8 @@ def save_checkpoint(
             "std": list(backbone.std),
             "finetuned": bool(finetuned),
             "flip_average": bool(backbone.flip_average),
-            "sketch_flip_average": bool(sketch_flip_average),
+            "sketch_flip_average": bool(backbone.flip_average
+                                        and config.get("flip_average_sketches", True)),
             "pooling": backbone.pooling,
         },
         "backbones": bb_state,
@@ -190,5 +188,4 @@ def init_checkpoint(
         singular_values=torch.ones(L),
         trained=False,
         epoch=0,
-        sketch_flip_average=cfg.flip_average and cfg.flip_average_sketches,
     )

@@ -26,14 +26,7 @@ from training.device import pick_device
 from ..loss import cdk_loss, cdk_singular_values, nesting_masks, singular_values
 from .backbones import Backbone
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import (
-    NESTING_OF,
-    RUNTIME_FIELDS,
-    Config,
-    nesting_weights,
-    sketch_flip_average,
-    to_dict,
-)
+from .config import NESTING_OF, RUNTIME_FIELDS, Config, nesting_weights, to_dict
 from .data import PairSampler
 from .distributed import barrier, gather_rows, rank_and_world
 from .finetune import Split, StepImages, set_train_mode, step_loader, trunk_cache, validate_images
@@ -390,7 +383,6 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
             last = epoch + 1 == total
             save_checkpoint(
                 ckpt_path, config=to_dict(cfg), backbone=backbone, image_size=cfg.image_size,
-                sketch_flip_average=sketch_flip_average(cfg),
                 backbones=dict(model.backbones.items()) if bbs is not None
                 else {"sketch": backbone.module, "photo": backbone.module},
                 heads=dict(model.heads), singular_values=sv, singular_values_norm=sv_norm,
