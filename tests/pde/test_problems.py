@@ -17,7 +17,8 @@ from training.pde.problems import (
     make_problem,
 )
 
-CASES = [("hydrogen", 2), ("oscillator", 2), ("oscillator", 3)]
+CASES = [("hydrogen", 2, None), ("oscillator", 2, None), ("oscillator", 3, None),
+         ("oscillator", 2, 15.0), ("oscillator", 2, 17.5)]
 
 
 def _points(problem, n=400, seed=0):
@@ -29,9 +30,9 @@ def _points(problem, n=400, seed=0):
     return 1.5 * torch.randn(n, problem.ndim, generator=gen, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("name,ndim", CASES)
-def test_eigenfunctions_solve_the_eigen_equation_under_fd(name, ndim):
-    problem = make_problem(name, ndim)
+@pytest.mark.parametrize("name,ndim,shift", CASES)
+def test_eigenfunctions_solve_the_eigen_equation_under_fd(name, ndim, shift):
+    problem = make_problem(name, ndim, shift=shift)
     x = _points(problem)
     zero = lambda z: torch.zeros(z.shape[0], dtype=z.dtype)  # noqa: E731, Lebesgue weight
     psi, lap = fd_laplacian(problem.eigenfunctions, zero, x, eps=0.01)
@@ -45,9 +46,10 @@ def test_eigenfunctions_solve_the_eigen_equation_under_fd(name, ndim):
     assert off.min() > 5e-3
 
 
-@pytest.mark.parametrize("name,ndim", CASES)
-def test_eigenfunctions_are_orthonormal_under_the_quadrature(name, ndim):
-    problem = make_problem(name, ndim)
+# (c = 17.5 adds level 7, whose tails the box [-5, 5]^2 cuts at ~1e-4 of its norm)
+@pytest.mark.parametrize("name,ndim,shift", CASES[:4])
+def test_eigenfunctions_are_orthonormal_under_the_quadrature(name, ndim, shift):
+    problem = make_problem(name, ndim, shift=shift)
     x, w = problem.quadrature("cpu")
     psi = problem.eigenfunctions(x)
     gram = psi.T @ (w.unsqueeze(-1) * psi)
@@ -71,6 +73,34 @@ def test_spectra_and_degeneracies():
         # level n: eigenvalue shift - 2(n + D/2), degeneracy C(n+D-1, D-1)
         assert [len(g) for g in groups] == [math.comb(n + D - 1, D - 1) for n in range(3)]
         assert [p.eigenvalues_true[g[0]] for g in groups] == [6.0, 4.0, 2.0]
+
+
+def test_a_shift_moves_the_spectrum_and_picks_the_positive_levels():
+    # c = 15: the same 28 positive modes one lower, and no level at exactly 0
+    o = make_problem("oscillator", shift=15.0)
+    assert o.shift == 15 and o.n_eval == 28 and o.n_modes == 55
+    assert [o.eigenvalues_true[g[0]] for g in degenerate_groups(o.eigenvalues_true)] == [
+        13.0, 11.0, 9.0, 7.0, 5.0, 3.0, 1.0]
+    # c = 17.5: level 7 (eigenvalue 1.5) joins the positive ones
+    assert make_problem("oscillator", shift=17.5).n_eval == 36
+    assert make_problem("oscillator", 3, shift=9.0).n_eval == 10  # the 3D default, given
+    with pytest.raises(ValueError, match="no positive eigenvalue"):
+        make_problem("oscillator", shift=2.0)
+    with pytest.raises(ValueError, match="more than the L = 55"):
+        make_problem("oscillator", shift=22.5)
+    with pytest.raises(ValueError, match="applies to the oscillator"):
+        make_problem("hydrogen", shift=1.0)
+
+
+def test_the_config_passes_its_shift_and_refuses_one_for_hydrogen():
+    from training.pde.config import Config, problem_of
+
+    assert problem_of(Config(problem="oscillator")).shift == 16
+    assert problem_of(Config(problem="oscillator", shift=15.0)).shift == 15
+    with pytest.raises(ValueError, match="shift applies to the oscillator"):
+        Config(problem="hydrogen", shift=1.0)
+    with pytest.raises(ValueError, match="shift must be >= 0"):
+        Config(problem="oscillator", shift=-1.0)
 
 
 def test_special_functions_match_scipy():

@@ -43,6 +43,8 @@ class Config:
     # a second Gaussian N(0, train_mix_std^2 I) drawing this share of the samples; 0: none
     train_mix_fraction: float = 0.0
     train_mix_std: float = 0.0
+    # the oscillator's c in T = laplacian - |x|^2 + c; 0: the problem's (16 in 2D)
+    shift: float = 0.0
     seed: int = 0
     checkpoint_every: int = 1000
     threads: int = 2  # torch CPU threads
@@ -70,6 +72,10 @@ class Config:
         for name in ["ema_decay", "spin_decay"]:
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if self.shift < 0:
+            raise ValueError(f"shift must be >= 0 (0: the problem's), got {self.shift!r}")
+        if self.shift and self.problem != "oscillator":
+            raise ValueError(f"shift applies to the oscillator, not to {self.problem!r}")
         if self.train_std < 0:
             raise ValueError(f"train_std must be >= 0, got {self.train_std!r}")
         if not 0 <= self.train_mix_fraction < 1:
@@ -96,7 +102,8 @@ def problem_of(config: Config) -> Problem:
     """The problem a config trains and is evaluated on (its ndim; its sampling
     distribution when set)."""
     return make_problem(config.problem, config.ndim, config.train_std or None,
-                        config.train_mix_std, config.train_mix_fraction)
+                        config.train_mix_std, config.train_mix_fraction,
+                        config.shift or None)
 
 
 def paper(problem: Problem) -> dict:

@@ -191,17 +191,32 @@ def oscillator_states(ndim: int, n_max: int) -> list[tuple[int, ...]]:
     return out
 
 
-def oscillator(ndim: int = 2) -> Problem:
+def oscillator(ndim: int = 2, shift: float | None = None) -> Problem:
     """D-dim harmonic oscillator, T = laplacian - |x|^2 + c with eigenvalues c - 2(n + D/2)
     and degeneracy C(n+D-1, D-1). In 2D: c = 16, 28 positive modes, L = 55 (the paper).
-    Elsewhere c = 6 + D: three positive levels, and L also covers the zero level."""
+    Elsewhere c = 6 + D: three positive levels, and L also covers the zero level.
+
+    shift: another c (None: those). The evaluated modes are the states of the levels whose
+    eigenvalue c - 2(n + D/2) is positive; L stays the default one, which must hold them.
+    The paper tunes c (appendix remark "On shifting"): with the default c a level sits at
+    exactly 0, where the objective pulls a surplus mode back to norm 0 only cubically."""
     if not isinstance(ndim, int) or ndim < 1:
         raise ValueError(f"ndim must be a positive integer, got {ndim!r}")
-    positive_levels = 7 if ndim == 2 else 3
-    shift = float(2 * positive_levels + ndim)  # level n has eigenvalue 2 (positive_levels - n)
-    learned_levels = positive_levels + 3 if ndim == 2 else positive_levels + 1
-    positive = oscillator_states(ndim, positive_levels - 1)
+    default_levels = 7 if ndim == 2 else 3
+    learned_levels = default_levels + 3 if ndim == 2 else default_levels + 1
     n_modes = len(oscillator_states(ndim, learned_levels - 1))
+    if shift is None:
+        shift = float(2 * default_levels + ndim)  # level n has eigenvalue 2 (levels - n)
+    shift = float(shift)
+    # levels n with shift - 2 (n + D/2) > 0
+    positive_levels = max(0, math.ceil((shift - ndim) / 2))
+    if positive_levels < 1:
+        raise ValueError(f"shift {shift} leaves no positive eigenvalue (the ground state's is "
+                         f"shift - {ndim}); choose shift > {ndim}")
+    positive = oscillator_states(ndim, positive_levels - 1)
+    if len(positive) > n_modes:
+        raise ValueError(f"shift {shift} makes {len(positive)} modes positive, more than the "
+                         f"L = {n_modes} learned; choose shift <= {2 * learned_levels + ndim}")
 
     def eigenfunctions(x):
         # (B, D, n_max+1): 1D Hermite functions per coordinate, then products per state
@@ -250,13 +265,19 @@ PROBLEMS: dict[str, Callable[[int], Problem]] = {
 
 
 def make_problem(name: str, ndim: int | None = None, train_std: float | None = None,
-                 mix_std: float = 0.0, mix_fraction: float = 0.0) -> Problem:
+                 mix_std: float = 0.0, mix_fraction: float = 0.0,
+                 shift: float | None = None) -> Problem:
     """Build a registered problem; ndim None means the problem's own (2), train_std None
     its own sampling distribution (a positive value replaces the std of p_train).
-    mix_fraction > 0 draws that share of the samples from N(0, mix_std^2 I) instead."""
+    mix_fraction > 0 draws that share of the samples from N(0, mix_std^2 I) instead.
+    shift: the oscillator's c (None: its own); other problems refuse one."""
     if name not in PROBLEMS:
         raise ValueError(f"unknown problem {name!r}; choose from {sorted(PROBLEMS)}")
-    problem = PROBLEMS[name](2 if ndim is None else ndim)
+    if shift is not None and name != "oscillator":
+        raise ValueError(f"a shift applies to the oscillator (a non-compact operator); "
+                         f"{name!r} has its own spectrum")
+    problem = (PROBLEMS[name](2 if ndim is None else ndim) if shift is None
+               else PROBLEMS[name](2 if ndim is None else ndim, shift))
     if train_std is not None:
         if not train_std > 0:
             raise ValueError(f"train_std must be positive, got {train_std!r}")
