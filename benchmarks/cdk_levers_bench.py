@@ -2,8 +2,9 @@
 see (mirror-averaged features, generalised-mean instead of average pooling, thickened sketch
 strokes, the last block's pooled output beside the final features, mirrored views as
 training augmentation), dropout of the heads' input features, the joint-nesting
-weights, and the gallery smoothing grid; and whether sorting the learned modes by their
-estimated singular values makes better prefixes.
+weights, embeddings scaled to unit length before retrieval, and the gallery smoothing
+grid; and whether sorting the learned modes by their estimated singular values makes
+better prefixes.
 
 Backbone features of every image are computed once (plain and mirrored, average- and
 GeM-pooled, with forward hooks for the last block) and kept in OUT/features.pt; each variant
@@ -34,6 +35,7 @@ from training.cdk.backbones import NATIVE_SIZE, Backbone, build_backbone, global
 from training.cdk.config import Config
 from training.cdk.data import scan
 from training.cdk.metrics import retrieval_metrics, smoothed_metrics, spectrum_order
+from training.cdk.model import retrieval_embedding
 from training.cdk.run import embed_features
 from training.cdk.smoothing import Smoothing, smooth
 from training.cdk.splits import split_classes
@@ -42,7 +44,9 @@ from training.images import images_to_tensor, load_image
 
 # name -> (sketch feature set, feature keys joined, training options). Options: flip (which
 # modalities are mirror-averaged), views, cap (nesting weights 1/max(l, cap)), dropout (the
-# heads' input dropout; 0 where absent, as the preset had it when those rows were measured).
+# heads' input dropout; 0 where absent, as the preset had it when those rows were measured),
+# unit (embeddings scaled to unit length before retrieval, model.retrieval_embedding; off
+# where absent).
 VARIANTS = {
     "plain": ("sketch", ["gap"], {}),
     "mirror-averaged": ("sketch", ["gap"], {"flip": "both"}),
@@ -63,6 +67,12 @@ VARIANTS = {
         "sketch", ["gem"], {"flip": "photo", "dropout": 0.2}),
     "GeM, input dropout 0.3, mirror-averaged photos only": (
         "sketch", ["gem"], {"flip": "photo", "dropout": 0.3}),
+    "GeM, mirror-averaged photos only, unit embeddings": (
+        "sketch", ["gem"], {"flip": "photo", "unit": True}),
+    "GeM, input dropout 0.2, mirror-averaged photos only, unit embeddings": (
+        "sketch", ["gem"], {"flip": "photo", "dropout": 0.2, "unit": True}),
+    "GeM, input dropout 0.3, mirror-averaged photos only, unit embeddings": (
+        "sketch", ["gem"], {"flip": "photo", "dropout": 0.3, "unit": True}),
 }
 
 
@@ -124,7 +134,7 @@ def _pick(F: dict, mod: str, keys: list[str], flip: bool, prefix: str = "") -> t
 
 def run_variant(F: dict, name: str, seed: int, split: str) -> dict:
     sketch_set, keys, opt = VARIANTS[name]
-    flip = opt.get("flip", "none")
+    flip, unit = opt.get("flip", "none"), opt.get("unit", False)
     S = _pick(F, sketch_set, keys, flip in ("both", "sketch"))
     P = _pick(F, "photo", keys, flip in ("both", "photo"))
     sl, pl = F["sketch_labels"], F["photo_labels"]
@@ -143,7 +153,7 @@ def run_variant(F: dict, name: str, seed: int, split: str) -> dict:
         data.sketch_views = _pick(F, sketch_set, keys, False, "flip_")[ts][None]
         data.photo_views = _pick(F, "photo", keys, False, "flip_")[tp][None]
     cfg = dataclasses.replace(Config(image_size=F["size"]), seed=seed, out="",
-                              input_dropout=opt.get("dropout", 0.0))
+                              input_dropout=opt.get("dropout", 0.0), unit_embeddings=unit)
     backbone = Backbone("features", torch.nn.Identity(), S.shape[1], (0, 0, 0), (1, 1, 1))
     own = train_mod.nesting_weights
     if "cap" in opt:  # w_l = 1 / max(l, cap): the first cap modes weighted alike
@@ -157,8 +167,8 @@ def run_variant(F: dict, name: str, seed: int, split: str) -> dict:
         train_mod.nesting_weights = own
     seconds = time.perf_counter() - t0
     dev = torch.device("cpu")
-    f = embed_features(res.heads["sketch"], S[vs], dev)
-    g = embed_features(res.heads["photo"], P[vp], dev)
+    f = retrieval_embedding(embed_features(res.heads["sketch"], S[vs], dev), unit)
+    g = retrieval_embedding(embed_features(res.heads["photo"], P[vp], dev), unit)
     labels = (sl[vs], pl[vp])
     full = retrieval_metrics(f, g, *labels, cfg.k)
     by_d = {d: retrieval_metrics(f[:, :d], g[:, :d], *labels, cfg.k)["map_all"]

@@ -148,3 +148,11 @@ def test_sketch_mirror_averaging_is_a_choice_on_top_of_the_photos():
     # checkpoints of earlier code averaged sketches whenever they averaged photos
     old = {k: v for k, v in to_dict(make_config()).items() if k != "flip_average_sketches"}
     assert sketch_flip_average(from_dict(old))
+
+
+def test_unit_embeddings_values():
+    assert Config().unit_embeddings is True and make_config("paper").unit_embeddings is False
+    assert make_config(unit_embeddings=False).unit_embeddings is False
+    # checkpoints of earlier code used the heads' outputs as they are
+    old = {k: v for k, v in to_dict(make_config()).items() if k != "unit_embeddings"}
+    assert from_dict(old).unit_embeddings is False

@@ -6,6 +6,7 @@ from PIL import Image
 from tests.fakes import crafted_checkpoint
 from training.cdk.checkpoint import init_checkpoint, load_checkpoint
 from training.cdk.embedder import Embedder
+from training.cdk.model import retrieval_embedding
 
 
 @pytest.fixture(scope="module")
@@ -194,5 +195,38 @@ def test_the_checkpoint_says_how_the_backbone_pools(ckpt, tmp_path):
         maps = torch.cat([bb.trunk(x), bb.trunk(x.flip(3))])  # mirror averaging, as trained
         for emb, pooling in ((e, "gem"), (e_old, "avg")):
             feats = global_pool(maps, pooling).unflatten(0, (2, -1)).mean(0)
-            np.testing.assert_allclose(emb.embed(ims, "photo"), head(feats).numpy(),
+            want = retrieval_embedding(head(feats), emb.unit_embeddings)
+            np.testing.assert_allclose(emb.embed(ims, "photo"), want.numpy(),
                                        rtol=1e-4, atol=1e-5)
+
+
+def test_unit_embeddings_scale_the_heads_outputs_to_length_one(ckpt, tmp_path):
+    # the cpu preset's checkpoints embed on the unit sphere; the heads' raw outputs (the
+    # learned functions) are what modules() returns; checkpoints of earlier code lack the
+    # key and embed the raw outputs, as that code did
+    e = Embedder.from_checkpoint(ckpt, device="cpu")
+    assert e.unit_embeddings and load_checkpoint(ckpt)["config"]["unit_embeddings"] is True
+    old = load_checkpoint(ckpt)
+    del old["config"]["unit_embeddings"]
+    torch.save(old, tmp_path / "old.pt")
+    e_old = Embedder.from_checkpoint(tmp_path / "old.pt", device="cpu")
+    assert not e_old.unit_embeddings
+    ims = _images()
+    for modality in ("sketch", "photo"):
+        raw = e_old.embed(ims, modality)
+        z = e.embed(ims, modality)
+        np.testing.assert_allclose(np.linalg.norm(z, axis=1), 1.0, rtol=1e-5)
+        assert np.abs(np.linalg.norm(raw, axis=1) - 1).max() > 1e-2  # the raw ones are not
+        np.testing.assert_allclose(z, raw / np.linalg.norm(raw, axis=1, keepdims=True),
+                                   rtol=1e-5, atol=1e-6)
+        with torch.no_grad():
+            feats = e.backbone_features(e.preprocess(ims, modality), modality)
+            np.testing.assert_allclose(e.modules(modality)[1](feats).numpy(), raw,
+                                       rtol=1e-5, atol=1e-6)
+
+
+def test_retrieval_embedding_keeps_zero_rows_and_directions():
+    z = torch.tensor([[3.0, 4.0], [0.0, 0.0], [-1e-3, 0.0]])
+    u = retrieval_embedding(z, True)
+    torch.testing.assert_close(u, torch.tensor([[0.6, 0.8], [0.0, 0.0], [-1.0, 0.0]]))
+    assert retrieval_embedding(z, False) is z

@@ -20,7 +20,7 @@ from training.cdk.data import scan
 from training.cdk.embedder import Embedder
 from training.cdk.features import extract_features
 from training.cdk.finetune import STAGES, Split, StepImages
-from training.cdk.model import MODALITIES, Head
+from training.cdk.model import MODALITIES, Head, retrieval_embedding
 from training.cdk.run import embed_features
 from training.cdk.train import TrainData
 from training.images import ImageError, images_to_tensor, load_image
@@ -282,8 +282,9 @@ def test_embedder_embeds_as_evaluation_does(dataset, lite0, tmp_path, shared):
     e = Embedder.from_checkpoint(tmp_path / "checkpoint.pt", device="cpu")
     assert e.image_size == SIZE
     for mod, files in (("sketch", dataset.sketches), ("photo", dataset.photos)):
-        ref = embed_features(res.heads[mod], extract_features(
-            files, lite0, SIZE, None, module=res.backbones[mod]), "cpu")
+        ref = retrieval_embedding(embed_features(res.heads[mod], extract_features(
+            files, lite0, SIZE, None, module=res.backbones[mod]), "cpu"), e.unit_embeddings)
+        assert e.unit_embeddings  # the cpu preset's; evaluation embeds so too
         from training.images import load_image
 
         z = e.embed([load_image(f) for f in files], mod)

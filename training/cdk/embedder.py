@@ -2,8 +2,10 @@
 
 Retrieval score convention (used by training.cdk.metrics, the index and the service):
 score(x, y; d) = <f_{1:d}(x), g_{1:d}(y)>, the plain inner product of the d-prefixes of the
-sketch embedding f and the photo embedding g (no normalisation). A query zero-padded past d
-in a flat inner-product index therefore gives exactly the d-prefix search.
+sketch embedding f and the photo embedding g. With the checkpoint's ``unit_embeddings``
+(the cpu preset's default) f and g are the heads' outputs scaled to unit length over all L
+coordinates (model.retrieval_embedding), else the outputs themselves. A query zero-padded
+past d in a flat inner-product index therefore gives exactly the d-prefix search.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from training.images import images_to_tensor
 
 from .backbones import Backbone, bare_backbone, with_flip_average
 from .checkpoint import read_checkpoint
-from .model import MODALITIES, Head
+from .config import from_dict
+from .model import MODALITIES, Head, retrieval_embedding
 
 __all__ = ["Embedder"]
 
@@ -46,7 +49,8 @@ class Embedder:
     device, image_size, trained, finetuned (the backbones were trained with the heads),
     flip_average (sketch features averaged with the mirror image's, as queries are
     embedded), trained_flip_average (whether the checkpoint's sketches were trained so),
-    photo_flip_average (whether its photos are), pooling (of the backbone's maps: avg or gem).
+    photo_flip_average (whether its photos are), pooling (of the backbone's maps: avg or gem),
+    unit_embeddings (embeddings scaled to unit length; checkpoints of earlier code: not).
     """
 
     def __init__(self, ckpt: dict, sha256: str, device=None, source: str = "checkpoint",
@@ -67,6 +71,7 @@ class Embedder:
                                    else bool(flip_average) and self.trained_flip_average)
         self.pooling: str = str(meta.get("pooling", "avg"))  # earlier checkpoints: average
         self.config: dict = dict(ckpt["config"])
+        self.unit_embeddings: bool = from_dict(self.config).unit_embeddings
         self.checkpoint_sha256: str = sha256
         self.trained: bool = bool(ckpt["trained"])
         self.finetuned: bool = bool(meta.get("finetuned")) or bool(self.config.get("finetune"))
@@ -131,16 +136,19 @@ class Embedder:
 
     @torch.no_grad()
     def head(self, features: torch.Tensor, modality: str) -> torch.Tensor:
-        """(N, D) backbone features -> (N, L) embedding: f for sketches, g for photos."""
+        """(N, D) backbone features -> (N, L) embedding: f for sketches, g for photos (scaled
+        to unit length when the checkpoint's ``unit_embeddings`` says so)."""
         _check_modality(modality)
-        return self._heads[modality](features.to(self.device).float())
+        z = self._heads[modality](features.to(self.device).float())
+        return retrieval_embedding(z, self.unit_embeddings)
 
     def encode(self, batch: torch.Tensor, modality: str) -> torch.Tensor:
         """(N, 3, H, W) normalised images -> (N, L) embedding: backbone, then head."""
         return self.head(self.backbone_features(batch, modality), modality)
 
     def modules(self, modality: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-        """The (backbone, head) modules of `modality`, e.g. for export (training.cdk.export)."""
+        """The (backbone, head) modules of `modality`, e.g. for export (training.cdk.export);
+        the head returns the raw functions (``head`` also applies ``unit_embeddings``)."""
         _check_modality(modality)
         return self._backbones[modality].module, self._heads[modality]
 

@@ -8,9 +8,10 @@ CPU through this graph, exported once from the checkpoint with `torch.onnx.expor
 
     <index>/encoders/sketch-<first 16 hex of the checkpoint sha256>.onnx
 
-The file records the full checkpoint hash, the modality, L and whether it averages over the
-mirror image in its metadata; loading it for another checkpoint (or mirror setting) is an
-EncoderMismatchError that names both values. A mirror-averaging checkpoint served with
+The file records the full checkpoint hash, the modality, L, whether it averages over the
+mirror image and whether it scales embeddings to unit length in its metadata; loading it
+for another checkpoint (or mirror setting) is an EncoderMismatchError that names both
+values. A mirror-averaging checkpoint served with
 single-view queries has its own file, ``<modality>-<sha16>-single-view.onnx``. ONNX Runtime
 computes in float32 as PyTorch does (embeddings agree to ~1e-6; tests/service/test_encoder.py).
 OpenVINO's CPU plugin is as fast as ONNX Runtime in float32 and about 1.8x faster only in
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from training.cdk.model import retrieval_embedding
 from training.files import atomic_write_bytes
 
 __all__ = ["EncoderMismatchError", "OnnxEncoder", "encoder_path", "export_encoder",
@@ -45,19 +47,20 @@ class EncoderMismatchError(ValueError):
 
 
 class _Encoder(nn.Module):
-    def __init__(self, backbone: nn.Module, head: nn.Module):
+    def __init__(self, backbone: nn.Module, head: nn.Module, unit: bool):
         super().__init__()
-        self.backbone, self.head = backbone, head
+        self.backbone, self.head, self.unit = backbone, head, unit
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(self.backbone(images))  # (N, L)
+        return retrieval_embedding(self.head(self.backbone(images)), self.unit)  # (N, L)
 
 
 def export_encoder(embedder, modality: str = "sketch") -> bytes:
     """The `modality` encoder of `embedder` (a training.cdk Embedder) as ONNX model bytes,
     with the checkpoint hash, modality, L and image size in its metadata."""
     modules = embedder.modules(modality)  # (backbone, head) on the embedder's device
-    model = _Encoder(*(copy.deepcopy(m).cpu().float() for m in modules)).eval()
+    unit = bool(getattr(embedder, "unit_embeddings", False))
+    model = _Encoder(*(copy.deepcopy(m).cpu().float() for m in modules), unit).eval()
     size = embedder.image_size
     example = torch.zeros(2, 3, size, size)
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
@@ -67,6 +70,7 @@ def export_encoder(embedder, modality: str = "sketch") -> bytes:
         "format": FORMAT, "checkpoint_sha256": embedder.checkpoint_sha256,
         "modality": modality, "L": str(embedder.L), "image_size": str(size),
         "flip_average": str(bool(getattr(embedder, "flip_average", False))),
+        "unit_embeddings": str(unit),
     })
     return program.model_proto.SerializeToString()
 

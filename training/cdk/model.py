@@ -13,9 +13,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["Head", "MODALITIES"]
+__all__ = ["Head", "MODALITIES", "retrieval_embedding"]
 
 MODALITIES = ("sketch", "photo")
+
+
+def retrieval_embedding(z: torch.Tensor, unit: bool) -> torch.Tensor:
+    """What retrieval uses of head outputs z (N, L): z itself, or with ``unit`` each row
+    scaled to unit length (an all-zero row stays zero). Scaling a query changes no ranking;
+    scaling the photos removes their lengths from the score, so at full L it is a cosine,
+    and a d-prefix score is that of the prefixes of unit vectors (the stored photos are
+    not scaled again per d)."""
+    if not unit:
+        return z
+    return z / z.norm(dim=1, keepdim=True).clamp_min(1e-12)
 
 
 class Head(nn.Module):

@@ -28,6 +28,7 @@ from .metrics import (
     spectrum_order,
     structure_curves,
 )
+from .model import retrieval_embedding
 from .plots import plot_gallery, plot_spectrum, plot_structure
 from .smoothing import smooth
 from .splits import split_classes
@@ -126,8 +127,8 @@ def embed_features(head, feats: torch.Tensor, device) -> torch.Tensor:
 class Evaluation:
     """What the test classes say about a trained model, and the raw-feature baselines."""
 
-    f: torch.Tensor  # (Qs, L) test sketch embeddings
-    g: torch.Tensor  # (Np, L) test photo embeddings
+    f: torch.Tensor  # (Qs, L) test sketch embeddings, as retrieval uses them
+    g: torch.Tensor  # (Np, L) test photo embeddings, as retrieval uses them
     full: dict  # retrieval metrics with all L modes
     curves: dict  # {"most", "least"}: d -> metrics (structure_curves)
     raw: dict  # cosine retrieval on the pretrained backbone's features
@@ -140,10 +141,10 @@ class Evaluation:
 def embed_dataset(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, ds: Dataset,
                   name: str, device
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(f (Qs, L), g (Np, L), x_s (Qs, D), x_p (Np, D)): the trained model's embeddings of
-    ``ds`` and the backbone features they were computed from (the fine-tuned backbones'
-    when there are any, else the pretrained ones of ``bbs``, per modality); ``name`` labels
-    the progress."""
+    """(f (Qs, L), g (Np, L), x_s (Qs, D), x_p (Np, D)): the trained heads' outputs on
+    ``ds`` (the learned functions, before ``retrieval_embedding``) and the backbone features
+    they were computed from (the fine-tuned backbones' when there are any, else the
+    pretrained ones of ``bbs``, per modality); ``name`` labels the progress."""
     dev = next(res.heads["sketch"].parameters()).device
     tuned = res.backbones or {}
     x_s = _features(cfg, bbs["sketch"], ds.sketches, f"{name} sketches", device,
@@ -159,7 +160,8 @@ def evaluate(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, te: Datase
     score them; bbs: the pretrained backbone per modality; tr_s, tr_p: (N, D) training
     features, the PCA baseline's fit."""
     dev = next(res.heads["sketch"].parameters()).device
-    f, g, te_s, te_p = embed_dataset(cfg, bbs, res, te, "test", device)
+    fn, gn, te_s, te_p = embed_dataset(cfg, bbs, res, te, "test", device)
+    f, g = (retrieval_embedding(z, cfg.unit_embeddings) for z in (fn, gn))
     labels = (te.sketch_labels, te.photo_labels)
     curves = structure_curves(f, g, *labels, cfg.k)
     if res.backbones is not None:  # the baseline is the pretrained backbone, not the tuned one
@@ -171,7 +173,7 @@ def evaluate(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, te: Datase
         curves=curves,
         raw=cosine_scores_metrics(te_s, te_p, *labels, cfg.k),
         raw_pca=pca_curves(tr_s, tr_p, te_s, te_p, *labels, cfg.k, list(curves["most"])),
-        orthogonality_test={"sketch": orthogonality_stats(f), "photo": orthogonality_stats(g)},
+        orthogonality_test={"sketch": orthogonality_stats(fn), "photo": orthogonality_stats(gn)},
         orthogonality_train=_train_orthogonality(res, tr_s, tr_p, dev),
         smoothed=smoothed_metrics(f, g, *labels, cfg.k, smoothing(cfg)),
     )
@@ -185,6 +187,7 @@ def evaluate_valid(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, va: 
     if not va.classes:
         return None
     f, g, _, _ = embed_dataset(cfg, bbs, res, va, "valid", device)
+    f, g = (retrieval_embedding(z, cfg.unit_embeddings) for z in (f, g))
     labels = (va.sketch_labels, va.photo_labels)
     most = structure_curves(f, g, *labels, cfg.k)["most"]
     return {
