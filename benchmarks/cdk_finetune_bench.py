@@ -35,11 +35,11 @@ VARIANTS: dict[str, dict] = {
     "frozen-lite0": {},
     "frozen-lite1": {"backbone": "efficientnet-lite1", "image_size": 0},
     "frozen-lite2": {"backbone": "efficientnet-lite2", "image_size": 0},
-    "finetune-lite0": {"finetune": True, "flip_average": False},
+    "finetune-lite0": {"finetune": True, "flip_average": False, "raw_dims": 0},
     "finetune-lite1": {"backbone": "efficientnet-lite1", "image_size": 0, "finetune": True,
-                       "flip_average": False},
+                       "flip_average": False, "raw_dims": 0},
     "finetune-lite2": {"backbone": "efficientnet-lite2", "image_size": 0, "finetune": True,
-                       "flip_average": False},
+                       "flip_average": False, "raw_dims": 0},
 }
 
 

@@ -46,7 +46,8 @@ from training.images import images_to_tensor, load_image
 # modalities are mirror-averaged), views, cap (nesting weights 1/max(l, cap)), dropout (the
 # heads' input dropout; 0 where absent, as the preset had it when those rows were measured),
 # unit (embeddings scaled to unit length before retrieval, model.retrieval_embedding; off
-# where absent).
+# where absent), raw (raw coordinates appended after the modes: (dims, weight),
+# model.fit_raw_projections on the training features; none where absent).
 VARIANTS = {
     "plain": ("sketch", ["gap"], {}),
     "mirror-averaged": ("sketch", ["gap"], {"flip": "both"}),
@@ -73,6 +74,16 @@ VARIANTS = {
         "sketch", ["gem"], {"flip": "photo", "dropout": 0.2, "unit": True}),
     "GeM, input dropout 0.3, mirror-averaged photos only, unit embeddings": (
         "sketch", ["gem"], {"flip": "photo", "dropout": 0.3, "unit": True}),
+    "GeM, input dropout 0.3, photos mirror-averaged, unit, raw 128": (
+        "sketch", ["gem"], {"flip": "photo", "dropout": 0.3, "unit": True, "raw": (128, 1.0)}),
+    "GeM, input dropout 0.3, photos mirror-averaged, unit, raw 256": (
+        "sketch", ["gem"], {"flip": "photo", "dropout": 0.3, "unit": True, "raw": (256, 1.0)}),
+    "GeM, input dropout 0.3, photos mirror-averaged, unit, raw 512": (
+        "sketch", ["gem"], {"flip": "photo", "dropout": 0.3, "unit": True, "raw": (512, 1.0)}),
+    "GeM, input dropout 0.3, photos mirror-averaged, unit, raw 256 weight 0.5": (
+        "sketch", ["gem"], {"flip": "photo", "dropout": 0.3, "unit": True, "raw": (256, 0.5)}),
+    "GeM, input dropout 0.3, photos mirror-averaged, unit, raw 256 weight 2": (
+        "sketch", ["gem"], {"flip": "photo", "dropout": 0.3, "unit": True, "raw": (256, 2.0)}),
 }
 
 
@@ -152,8 +163,10 @@ def run_variant(F: dict, name: str, seed: int, split: str) -> dict:
     if opt.get("views"):  # the mirrored images' features as a second view to draw from
         data.sketch_views = _pick(F, sketch_set, keys, False, "flip_")[ts][None]
         data.photo_views = _pick(F, "photo", keys, False, "flip_")[tp][None]
+    raw_dims, raw_weight = opt.get("raw", (0, 1.0))
     cfg = dataclasses.replace(Config(image_size=F["size"]), seed=seed, out="",
-                              input_dropout=opt.get("dropout", 0.0), unit_embeddings=unit)
+                              input_dropout=opt.get("dropout", 0.0), unit_embeddings=unit,
+                              raw_dims=raw_dims, raw_weight=raw_weight)
     backbone = Backbone("features", torch.nn.Identity(), S.shape[1], (0, 0, 0), (1, 1, 1))
     own = train_mod.nesting_weights
     if "cap" in opt:  # w_l = 1 / max(l, cap): the first cap modes weighted alike
@@ -170,6 +183,11 @@ def run_variant(F: dict, name: str, seed: int, split: str) -> dict:
     f = retrieval_embedding(embed_features(res.heads["sketch"], S[vs], dev), unit)
     g = retrieval_embedding(embed_features(res.heads["photo"], P[vp], dev), unit)
     labels = (sl[vs], pl[vp])
+    learned = retrieval_metrics(f, g, *labels, cfg.k)
+    if res.raw is not None:  # the raw coordinates after the modes, as the Embedder adds them
+        with torch.no_grad():
+            f = torch.cat([f, res.raw["sketch"](S[vs].float())], 1)
+            g = torch.cat([g, res.raw["photo"](P[vp].float())], 1)
     full = retrieval_metrics(f, g, *labels, cfg.k)
     by_d = {d: retrieval_metrics(f[:, :d], g[:, :d], *labels, cfg.k)["map_all"]
             for d in (1, 2, 4, 8, 16, 32, 64)}
@@ -178,6 +196,8 @@ def run_variant(F: dict, name: str, seed: int, split: str) -> dict:
                                      cfg.k)["map_all"] for d in (1, 2, 4, 8, 16, 32, 64)}
     sm = smoothed_metrics(f, g, *labels, cfg.k, Smoothing())  # as index.build stores it
     return {"variant": name, "seed": seed, "valid_map": full["map_all"],
+            "learned_valid_map": learned["map_all"],
+            "learned_valid_p10": learned["precision_at_k"],
             "valid_p10": full["precision_at_k"], "d16_share": by_d[16] / full["map_all"],
             "max_swap_top32": spectrum_order(res.singular_values)["max_swap"],
             "max_swap_top32_norm": spectrum_order(res.singular_values_norm)["max_swap"],

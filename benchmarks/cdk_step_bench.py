@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
             for path, augment, cached, workers in (("trunk cache", False, True, 0),
                                                    ("trunk no_grad", False, False, 0),
                                                    ("trunk no_grad + aug", True, False, 0)):
-                cfg = make_config("cpu", finetune=True, flip_average=False,
+                cfg = make_config("cpu", finetune=True, flip_average=False, raw_dims=0,
                                   trainable_stages=K, augment=augment,
                                   batch_size=B, workers=workers)
                 model, opt, masks, inputs, build, data = _setup(cfg, bb, tr, args.cache_images,
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"{s * spe:>8.1f} {once:>14.1f}", flush=True)
     B, K = int(args.batches.split(",")[0]), 2
     for workers in (1, 2):  # workers 0: the row above
-        cfg = make_config("cpu", finetune=True, flip_average=False, trainable_stages=K,
+        cfg = make_config("cpu", finetune=True, flip_average=False, raw_dims=0,
+                          trainable_stages=K,
                           augment=True, batch_size=B, workers=workers)
         model, opt, masks, inputs, _, data = _setup(cfg, bb, tr, args.cache_images)
         s = _time_steps(cfg, model, opt, masks, inputs, data, args.steps, args.warmup)

@@ -53,11 +53,21 @@ def small_sketches(small_gallery) -> list[bytes]:
 
 @pytest.fixture(scope="session")
 def real_checkpoint(tmp_path_factory) -> Path:
-    """An untrained but complete training.cdk checkpoint (small head and input size)."""
+    """An untrained but complete training.cdk checkpoint (small head and input size; no raw
+    coordinates, so its embeddings are the 8 modes; ``hybrid_checkpoint`` has them)."""
     from training.cdk.checkpoint import init_checkpoint
 
     return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "checkpoint.pt", L=8, hidden=16,
-                           image_size=64)
+                           image_size=64, raw_dims=0)
+
+
+@pytest.fixture(scope="session")
+def hybrid_checkpoint(tmp_path_factory) -> Path:
+    """As ``real_checkpoint``, with 8 raw coordinates after the 8 modes (L = 16 wide)."""
+    from training.cdk.checkpoint import init_checkpoint
+
+    return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "hybrid.pt", L=8, hidden=16,
+                           image_size=64, raw_dims=8)
 
 
 @pytest.fixture(scope="session")

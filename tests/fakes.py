@@ -15,7 +15,8 @@ from PIL import Image
 
 class FakeEmbedder:
     def __init__(self, L: int = 8, seed: int = 0, tag: str = "fake"):
-        self.L = L
+        self.L = self.modes = L
+        self.raw_dims = 0
         self.backbone = "fake-thumbnail"
         self.config = {"L": L, "seed": seed}
         self.checkpoint_sha256 = hashlib.sha256(f"{tag}-{L}-{seed}".encode()).hexdigest()

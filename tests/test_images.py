@@ -183,7 +183,7 @@ def test_training_and_index_embed_a_transparent_photo_alike(tmp_path):
     trained = e.head(feats, "photo").numpy()  # (1, L)
 
     root, photos = scan_gallery(tmp_path / "gallery")
-    indexed = embed_photos(e, root, photos, dims=16, progress=False)  # (1, L)
+    indexed = embed_photos(e, root, photos, dims=e.L, progress=False)  # (1, L)
     np.testing.assert_allclose(indexed, trained, rtol=1e-4, atol=1e-5)
 
     black = e.embed([Image.open(photo).convert("RGB")], "photo")  # transparent -> black

@@ -29,6 +29,8 @@ def info(engine: EngineDep, settings: SettingsDep) -> InfoOut:
         mirror_queries=engine.embedder.flip_average,
         gallery_smoothing=side.smoothing,
         L=engine.embedder.L,
+        modes=engine.embedder.modes,
+        raw_dims=engine.embedder.raw_dims,
         available_dims=DimsRange(min=1, max=engine.dims),
         gallery_size=len(engine.gallery),
         classes=len(engine.gallery.photos.classes),

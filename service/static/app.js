@@ -150,7 +150,9 @@
     kInput.max = info.limits.max_k;
     kInput.value = Math.min(info.limits.default_k, info.limits.max_k);
     document.getElementById("model-info").textContent =
-      `${info.model} \u00b7 ${info.backbone} \u00b7 L = ${info.L} \u00b7 ${info.gallery_size} photos in ${info.classes} classes`;
+      `${info.model} \u00b7 ${info.backbone} \u00b7 ${info.modes} modes` +
+      (info.raw_dims ? ` + ${info.raw_dims} raw dims` : "") +
+      ` \u00b7 ${info.gallery_size} photos in ${info.classes} classes`;
     document.body.dataset.ready = "1";
   }).catch((err) => setStatus(`cannot load /info: ${err.message}`, true));
 

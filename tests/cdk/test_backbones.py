@@ -41,7 +41,8 @@ def test_vgg16_checkpoint_embeds_512_to_L(vgg_file, tmp_path):
     from PIL import Image
 
     z = e.embed([Image.new("RGB", (40, 40), (200, 10, 10))], "photo")
-    assert z.shape == (1, 4) and e.backbone == "vgg16"
+    assert z.shape == (1, e.L) and e.modes == 4 and e.L == 4 + e.raw_dims
+    assert e.backbone == "vgg16"
     assert e.backbone_features(e.preprocess([Image.new("L", (9, 9))], "sketch"),
                                "sketch").shape == (1, 512)
 

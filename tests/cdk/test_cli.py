@@ -62,7 +62,10 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
     for key in ("map_all", "precision_at_k", "k", "map_by_dims", "singular_values"):
         assert key in m
     assert m["k"] == 2 and sorted(m["map_by_dims"], key=int) == ["1", "2", "4"]
-    assert len(m["singular_values"]) == 4 and m["map_by_dims"]["4"] == m["map_all"]
+    # the preset appends raw coordinates after the 4 modes: map_all scores all of them,
+    # the d-curves the modes' prefixes, and "learned" the 4 modes alone
+    assert len(m["singular_values"]) == 4 and m["map_by_dims"]["4"] == m["learned"]["map_all"]
+    assert m["config"]["raw_dims"] == 256 and m["map_all"] != m["learned"]["map_all"]
     assert len(m["singular_values_norm"]) == 4
     for key, sv in (("spectrum_order", "singular_values"),
                     ("spectrum_order_norm", "singular_values_norm")):
@@ -77,7 +80,7 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
     assert v["classes"] == list(VALID) and v["counts"] == {"sketches": 6, "photos": 6}
     assert sorted(v["map_by_dims"], key=int) == sorted(v["precision_by_dims"], key=int) == [
         "1", "2", "4"]
-    assert v["map_by_dims"]["4"] == v["map_all"]
+    assert v["map_by_dims"]["4"] == v["learned"]["map_all"]
     nums = [v["map_all"], v["precision_at_k"], *v["map_by_dims"].values(),
             *v["precision_by_dims"].values()]
     assert all(np.isfinite(x) and 0 <= x <= 1 for x in nums)
@@ -93,9 +96,13 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
         te = scan(root).restrict(list(classes))
         f = e.embed([load_image(p) for p in te.sketches], "sketch")
         g = e.embed([load_image(p) for p in te.photos], "photo")
+        assert f.shape[1] == e.L == 4 + 256 and e.modes == 4
         for d in (2, 4):
             r = retrieval_metrics(f[:, :d], g[:, :d], te.sketch_labels, te.photo_labels, 2)
             assert r["map_all"] == pytest.approx(want["map_by_dims"][str(d)], abs=1e-6)
+        r = retrieval_metrics(f, g, te.sketch_labels, te.photo_labels, 2)
+        assert r["map_all"] == pytest.approx(want["map_all"], abs=1e-6)
+        assert r["precision_at_k"] == pytest.approx(want["precision_at_k"], abs=1e-6)
     np.testing.assert_allclose(e.singular_values.numpy(), m["singular_values"], rtol=1e-6)
 
     # Running again finds the finished run: no retraining, same numbers.
@@ -118,7 +125,7 @@ def test_cli_finetune_trains_separate_backbones(tiny, tmp_path):
     root, split = tiny
     out = tmp_path / "ft"
     main(_args(root, split, out, tmp_path / "cache", "--finetune", "true",
-               "--flip-average", "false", "--epochs", "1",
+               "--flip-average", "false", "--raw-dims", "0", "--epochs", "1",
                "--backbone-lr", "0.01"))
     ck = load_checkpoint(out / "checkpoint.pt")
     assert ck["backbone"]["finetuned"]
@@ -127,6 +134,7 @@ def test_cli_finetune_trains_separate_backbones(tiny, tmp_path):
     assert changed, "fine-tuning left both backbones identical"
     assert Embedder.from_checkpoint(out / "checkpoint.pt").embed(
         [load_image(next(Path(root, "sketch", "bat").iterdir()))], "sketch").shape == (1, 4)
+    assert json.loads((out / "metrics.json").read_text())["learned"] is None  # no raw dims
     # validation embeds through the fine-tuned backbones as the test evaluation does
     assert np.isfinite(json.loads((out / "metrics.json").read_text())["valid"]["map_all"])
 

@@ -79,7 +79,8 @@ def test_cli_parsing_rules(data_dir):
     assert (cfg.L, cfg.hidden, cfg.batch_size, cfg.epochs, cfg.lr, cfg.mu) == \
         (512, 8192, 4096, 10, 5e-3, 16.0)
     assert cfg.momentum == 0.9 and cfg.grad_clip > 0 and cfg.seed == 3 and cfg.k == 100
-    flip = ["--flip-average", "false"]  # fine-tuning takes no mirror-averaged features
+    # fine-tuning takes no mirror-averaged features and no raw coordinates
+    flip = ["--flip-average", "false", "--raw-dims", "0"]
     assert parse_args(["--data", "d", "--finetune", "true", *flip]).finetune is True
     assert parse_args(["--data", "d", "--finetune", *flip]).finetune is True
     assert parse_args(["--data", "d", "--batch-size", "64", "--backbone-lr", "0.01",
@@ -152,7 +153,24 @@ def test_sketch_mirror_averaging_is_a_choice_on_top_of_the_photos():
 
 def test_unit_embeddings_values():
     assert Config().unit_embeddings is True and make_config("paper").unit_embeddings is False
-    assert make_config(unit_embeddings=False).unit_embeddings is False
+    assert make_config(unit_embeddings=False, raw_dims=0).unit_embeddings is False
     # checkpoints of earlier code used the heads' outputs as they are
-    old = {k: v for k, v in to_dict(make_config()).items() if k != "unit_embeddings"}
+    old = {k: v for k, v in to_dict(make_config()).items()
+           if k not in ("unit_embeddings", "raw_dims")}
     assert from_dict(old).unit_embeddings is False
+
+
+def test_raw_coordinates_values():
+    assert Config().raw_dims == 256 and Config().raw_weight == 1.0
+    assert make_config("paper").raw_dims == 0
+    old = {k: v for k, v in to_dict(make_config()).items()
+           if k not in ("unit_embeddings", "raw_dims", "raw_weight")}
+    assert from_dict(old).raw_dims == 0  # checkpoints of earlier code had none
+    with pytest.raises(ValueError, match="needs --unit-embeddings true"):
+        make_config(unit_embeddings=False)
+    with pytest.raises(ValueError, match="raw_dims applies to frozen backbones"):
+        make_config(finetune=True, flip_average=False)
+    with pytest.raises(ValueError, match="raw_weight must be positive"):
+        make_config(raw_weight=0.0)
+    with pytest.raises(ValueError, match="raw_dims must be >= 0"):
+        make_config(raw_dims=-1)

@@ -11,7 +11,9 @@ from training.cdk.model import retrieval_embedding
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return init_checkpoint(tmp_path_factory.mktemp("ck") / "c.pt", L=8, hidden=16, image_size=64)
+    # 8 modes, then 8 raw coordinates: embeddings 16 wide
+    return init_checkpoint(tmp_path_factory.mktemp("ck") / "c.pt", L=8, hidden=16, image_size=64,
+                           raw_dims=8)
 
 
 def _images():
@@ -24,7 +26,7 @@ def _images():
 
 def test_embed_shape_dtype_and_determinism(ckpt):
     e = Embedder.from_checkpoint(ckpt, device="cpu")
-    assert e.L == 8 and e.backbone == "efficientnet-lite0"
+    assert e.L == 16 and e.modes == 8 and e.raw_dims == 8 and e.backbone == "efficientnet-lite0"
     assert e.singular_values.shape == (8,) and bool(torch.isfinite(e.singular_values).all())
     assert e.config["untrained"] is True and e.trained is False
     import hashlib
@@ -32,7 +34,7 @@ def test_embed_shape_dtype_and_determinism(ckpt):
     assert e.checkpoint_sha256 == hashlib.sha256(ckpt.read_bytes()).hexdigest()
     for modality in ("sketch", "photo"):
         z = e.embed(_images(), modality, batch_size=2)
-        assert z.shape == (3, 8) and z.dtype == np.float32 and np.isfinite(z).all()
+        assert z.shape == (3, 16) and z.dtype == np.float32 and np.isfinite(z).all()
         # A fresh embedder from the same file gives the same numbers.
         z2 = Embedder.from_checkpoint(ckpt, device="cpu").embed(_images(), modality)
         np.testing.assert_allclose(z, z2, rtol=1e-5, atol=1e-6)
@@ -195,7 +197,8 @@ def test_the_checkpoint_says_how_the_backbone_pools(ckpt, tmp_path):
         maps = torch.cat([bb.trunk(x), bb.trunk(x.flip(3))])  # mirror averaging, as trained
         for emb, pooling in ((e, "gem"), (e_old, "avg")):
             feats = global_pool(maps, pooling).unflatten(0, (2, -1)).mean(0)
-            want = retrieval_embedding(head(feats), emb.unit_embeddings)
+            want = torch.cat([retrieval_embedding(head(feats), emb.unit_embeddings),
+                              emb.raw_projection("photo")(feats)], 1)
             np.testing.assert_allclose(emb.embed(ims, "photo"), want.numpy(),
                                        rtol=1e-4, atol=1e-5)
 
@@ -207,14 +210,16 @@ def test_unit_embeddings_scale_the_heads_outputs_to_length_one(ckpt, tmp_path):
     e = Embedder.from_checkpoint(ckpt, device="cpu")
     assert e.unit_embeddings and load_checkpoint(ckpt)["config"]["unit_embeddings"] is True
     old = load_checkpoint(ckpt)
-    del old["config"]["unit_embeddings"]
+    for key in ("unit_embeddings", "raw_dims", "raw_weight"):  # fields of later code
+        del old["config"][key]
+    del old["raw"]
     torch.save(old, tmp_path / "old.pt")
     e_old = Embedder.from_checkpoint(tmp_path / "old.pt", device="cpu")
-    assert not e_old.unit_embeddings
+    assert not e_old.unit_embeddings and e_old.raw_dims == 0 and e_old.L == e_old.modes == 8
     ims = _images()
     for modality in ("sketch", "photo"):
         raw = e_old.embed(ims, modality)
-        z = e.embed(ims, modality)
+        z = e.embed(ims, modality)[:, : e.modes]
         np.testing.assert_allclose(np.linalg.norm(z, axis=1), 1.0, rtol=1e-5)
         assert np.abs(np.linalg.norm(raw, axis=1) - 1).max() > 1e-2  # the raw ones are not
         np.testing.assert_allclose(z, raw / np.linalg.norm(raw, axis=1, keepdims=True),
@@ -230,3 +235,46 @@ def test_retrieval_embedding_keeps_zero_rows_and_directions():
     u = retrieval_embedding(z, True)
     torch.testing.assert_close(u, torch.tensor([[0.6, 0.8], [0.0, 0.0], [-1.0, 0.0]]))
     assert retrieval_embedding(z, False) is z
+
+
+def test_raw_coordinates_follow_the_modes(ckpt, tmp_path):
+    # embed = [unit(head(x)), sqrt(w) unit((x - mean_m) @ axes)], as stored; d-prefixes up to
+    # the modes are the learned embedding alone
+    e = Embedder.from_checkpoint(ckpt, device="cpu")
+    stored = load_checkpoint(ckpt)["raw"]
+    ims = _images()
+    for modality in ("sketch", "photo"):
+        feats = e.backbone_features(e.preprocess(ims, modality), modality).double()
+        c = (feats - stored["mean"][modality].double()) @ stored["axes"].double()
+        want = stored["weight"] ** 0.5 * c / c.norm(dim=1, keepdim=True)
+        z = e.embed(ims, modality)
+        np.testing.assert_allclose(z[:, 8:], want.numpy(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.linalg.norm(z[:, :8], axis=1), 1.0, rtol=1e-5)
+    # a config asking for raw coordinates without the projection is refused, naming the file
+    broken = load_checkpoint(ckpt)
+    del broken["raw"]
+    torch.save(broken, tmp_path / "broken.pt")
+    with pytest.raises(ValueError, match="broken.pt.*raw coordinates"):
+        Embedder.from_checkpoint(tmp_path / "broken.pt", device="cpu")
+
+
+def test_fit_raw_projections_against_numpy_pca():
+    from training.cdk.model import fit_raw_projections
+
+    rng = np.random.default_rng(0)
+    s = rng.normal(size=(40, 6)) @ rng.normal(size=(6, 6)) + 3.0
+    p = rng.normal(size=(30, 6)) @ rng.normal(size=(6, 6)) - 1.0
+    proj = fit_raw_projections(torch.tensor(s), torch.tensor(p), 3, 2.0)
+    np.testing.assert_allclose(proj["sketch"].mean.numpy(), s.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(proj["photo"].mean.numpy(), p.mean(0), rtol=1e-5, atol=1e-6)
+    # the reference: principal axes of the per-modality centred rows, by numpy's SVD
+    X = np.concatenate([s - s.mean(0), p - p.mean(0)])
+    _, _, vt = np.linalg.svd(X, full_matrices=False)
+    ref = vt[:3].T  # (6, 3); axes agree up to sign, so compare the projectors
+    axes = proj["sketch"].axes.double().numpy()
+    np.testing.assert_allclose(axes @ axes.T, ref @ ref.T, atol=1e-5)
+    assert proj["photo"].axes is not None and torch.equal(proj["photo"].axes, proj["sketch"].axes)
+    out = proj["photo"](torch.tensor(p[:5]).float())
+    np.testing.assert_allclose(out.norm(dim=1).numpy(), 2.0 ** 0.5, rtol=1e-5)
+    with pytest.raises(ValueError, match="raw_dims must be in"):
+        fit_raw_projections(torch.tensor(s), torch.tensor(p), 7, 1.0)

@@ -65,7 +65,8 @@ def _data(ds, bb, size=SIZE):
 
 def _cfg(tmp_path, **kw):
     base = dict(L=4, hidden=16, batch_size=4, epochs=2, lr=0.05, backbone_lr=0.01,
-                image_size=SIZE, finetune=True, flip_average=False, out=str(tmp_path),
+                image_size=SIZE, finetune=True, flip_average=False, raw_dims=0,
+                out=str(tmp_path),
                 cache_dir=str(tmp_path / "cache"))
     return make_config("cpu", **{**base, **kw})
 
@@ -98,7 +99,7 @@ def test_native_sizes_resolve_and_bad_values_are_named():
         make_config("cpu", bn="batch")
     with pytest.raises(ValueError, match="trainable_stages"):
         make_config("cpu", backbone="efficientnet-lite0", finetune=True, flip_average=False,
-                    trainable_stages=17)
+                    raw_dims=0, trainable_stages=17)
     with pytest.raises(ValueError, match="workers"):
         make_config("cpu", workers=-1)
 

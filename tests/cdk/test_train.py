@@ -14,7 +14,8 @@ from .ddp_worker import ddp_worker, synthetic_backbone, synthetic_data
 
 
 def _cfg(tmp_path, **kw):
-    base = dict(L=4, hidden=16, batch_size=8, epochs=3, lr=0.05, out=str(tmp_path))
+    # raw_dims=2: the synthetic features are 4-6 wide
+    base = dict(L=4, hidden=16, batch_size=8, epochs=3, lr=0.05, raw_dims=2, out=str(tmp_path))
     return make_config("cpu", **{**base, **kw})
 
 
@@ -31,6 +32,7 @@ def test_ddp_two_processes_equal_one(tmp_path):
     ddp_heads, ck = _heads(tmp_path / "ddp" / "checkpoint.pt")
     one_heads, ck1 = _heads(tmp_path / "one" / "checkpoint.pt")
     assert ck["epoch"] == ck1["epoch"] == 3
+    torch.testing.assert_close(ck["raw"]["axes"], ck1["raw"]["axes"])
     for m in ("sketch", "photo"):
         for k, v in one_heads[m].items():
             torch.testing.assert_close(ddp_heads[m][k], v, rtol=1e-4, atol=1e-5)
@@ -148,7 +150,8 @@ def test_feature_views_are_drawn_per_image_and_resume_exactly(tmp_path, monkeypa
 
 def test_feature_views_are_for_frozen_backbones():
     with pytest.raises(ValueError, match="feature_views"):
-        make_config("cpu", finetune=True, flip_average=False, feature_views=2)
+        make_config("cpu", finetune=True, flip_average=False, raw_dims=0,
+                    feature_views=2)
     with pytest.raises(ValueError, match="feature_views"):
         make_config("cpu", feature_views=-1)
 
@@ -197,3 +200,24 @@ def test_input_dropout_changes_training(tmp_path):
                             tmp_path / str(p)).heads["sketch"].state_dict()["mlp.0.weight"]
             for p in (0.0, 0.3)]
     assert not torch.allclose(*runs)
+
+
+def test_training_fits_and_stores_the_raw_projection(tmp_path):
+    from training.cdk.model import fit_raw_projections
+
+    data = synthetic_data()
+    res = train_mod.train(_cfg(tmp_path, raw_dims=3, raw_weight=0.5), data,
+                          synthetic_backbone(), tmp_path)
+    want = fit_raw_projections(data.sketch_feats, data.photo_feats, 3, 0.5)
+    ck = load_checkpoint(tmp_path / "checkpoint.pt")
+    for m in ("sketch", "photo"):
+        torch.testing.assert_close(res.raw[m].mean, want[m].mean)
+        torch.testing.assert_close(ck["raw"]["mean"][m], want[m].mean)
+    torch.testing.assert_close(ck["raw"]["axes"], want["sketch"].axes)
+    assert ck["raw"]["weight"] == 0.5 and res.raw["photo"].dims == 3
+    res0 = train_mod.train(_cfg(tmp_path / "none", raw_dims=0), data, synthetic_backbone(),
+                           tmp_path / "none")
+    assert res0.raw is None and load_checkpoint(tmp_path / "none" / "checkpoint.pt")["raw"] is None
+    with pytest.raises(ValueError, match="raw_dims must be in"):
+        train_mod.train(_cfg(tmp_path / "wide", raw_dims=7), data, synthetic_backbone(),
+                        tmp_path / "wide")

@@ -47,11 +47,37 @@ def test_cli_builds_an_index_that_equals_brute_force(tmp_path, real_checkpoint, 
                                    atol=1e-5)
 
 
+def test_an_index_of_hybrid_embeddings_equals_brute_force(tmp_path, hybrid_checkpoint,
+                                                          small_gallery, small_sketches):
+    # 8 modes then 8 raw coordinates: the index stores all 16 (smoothed with neighbours
+    # found on all 16), `dims` <= 8 queries score the modes alone, 16 the whole vector
+    from index.build import build_index
+    from training.cdk.embedder import Embedder
+
+    e = Embedder.from_checkpoint(hybrid_checkpoint, device="cpu")
+    assert (e.modes, e.raw_dims, e.L) == (8, 8, 16)
+    report = build_index(e, small_gallery, tmp_path / "ix", hybrid_checkpoint, progress=False)
+    assert report.sidecar.L == report.sidecar.dims == 16
+    ix = load_index(tmp_path / "ix", checkpoint_sha256=e.checkpoint_sha256)
+    root, photos = scan_gallery(small_gallery)
+    gallery = e.embed([load_image(root / p.path) for p in photos], "photo")  # (15, 16)
+    gallery = smooth(torch.from_numpy(gallery), Smoothing(10, 4.0, 2)).numpy()
+    sketches = e.embed([Image.open(io.BytesIO(b)).convert("RGB") for b in small_sketches],
+                       "sketch")
+    for d in (4, 8, 16):
+        brute = sketches[:, :d] @ gallery[:, :d].T
+        scores, rows = ix.search(sketches[:, :d], k=15)
+        np.testing.assert_allclose(scores, -np.sort(-brute, axis=1), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.take_along_axis(brute, rows, 1), scores, rtol=1e-4,
+                                   atol=1e-5)
+
+
 def test_other_checkpoint_is_refused(tmp_path, real_index):
     from training.cdk.checkpoint import init_checkpoint
     from training.cdk.embedder import Embedder
 
-    other = init_checkpoint(tmp_path / "other.pt", L=8, hidden=16, image_size=64, seed=1)
+    other = init_checkpoint(tmp_path / "other.pt", L=8, hidden=16, image_size=64, seed=1,
+                            raw_dims=0)
     sha = Embedder.from_checkpoint(other, device="cpu").checkpoint_sha256
     with pytest.raises(IndexMismatchError, match="was built from checkpoint sha256"):
         load_index(real_index, checkpoint_sha256=sha)

@@ -124,7 +124,8 @@ def test_service_refuses_a_planted_encoder(tmp_path, real_index, real_checkpoint
     index = tmp_path / "index"
     shutil.copytree(real_index, index)
     sha = Embedder.from_checkpoint(real_checkpoint, device="cpu").checkpoint_sha256
-    other = init_checkpoint(tmp_path / "other.pt", L=8, hidden=16, image_size=64, seed=1)
+    other = init_checkpoint(tmp_path / "other.pt", L=8, hidden=16, image_size=64, seed=1,
+                            raw_dims=0)
     planted = export_encoder(Embedder.from_checkpoint(other, device="cpu"))
     encoder_path(index, sha).parent.mkdir(parents=True, exist_ok=True)
     encoder_path(index, sha).write_bytes(planted)  # another checkpoint's graph, this name

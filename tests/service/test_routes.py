@@ -51,6 +51,7 @@ def test_info(client, engine):
     info = client.get("/info").json()
     assert info["L"] == 8 and info["backbone"] == "fake-thumbnail" and info["encoder"] == "torch"
     assert info["available_dims"] == {"min": 1, "max": 8}
+    assert info["modes"] == 8 and info["raw_dims"] == 0
     assert info["gallery_size"] == 15 and info["classes"] == 3
     assert info["index_kind"] == "flat" and info["metric"] == "inner_product"
     assert info["checkpoint_sha256"] == engine.embedder.checkpoint_sha256

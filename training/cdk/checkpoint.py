@@ -11,6 +11,8 @@ Layout (a dict saved with torch.save)::
     singular_values: (L,) float32, the CDK's Rayleigh quotients at the learned pairs
         (checkpoints written before they were estimated hold sqrt(E f^2 E g^2) here)
     singular_values_norm: (L,) float32 sqrt(E f^2 E g^2), or absent; trained: bool; epoch: int
+    raw: {mean: {"sketch": (D,), "photo": (D,)}, axes: (D, p), weight} of the raw coordinates
+        appended to the embedding (model.RawProjection), or None / absent: none
     train_state: optimizer/scheduler state for resuming (None when finished or untrained)
     history: per-epoch log
 """
@@ -28,7 +30,7 @@ from training.files import atomic_save
 
 from .backbones import Backbone, build_backbone
 from .config import make_config, to_dict
-from .model import MODALITIES, Head
+from .model import MODALITIES, Head, RawProjection
 
 __all__ = ["FORMAT", "VERSION", "save_checkpoint", "read_checkpoint", "load_checkpoint",
            "init_checkpoint"]
@@ -52,6 +54,7 @@ def save_checkpoint(
     train_state: dict | None = None,
     history: list | None = None,
     singular_values_norm: torch.Tensor | None = None,
+    raw: dict[str, RawProjection] | None = None,
 ) -> Path:
     """Write a CDK checkpoint atomically. backbones / heads: one module per modality
     ("sketch", "photo"); the same module object for both is stored once.
@@ -93,6 +96,9 @@ def save_checkpoint(
         "singular_values": sv,
         "singular_values_norm": None if singular_values_norm is None else torch.as_tensor(
             singular_values_norm, dtype=torch.float32).detach().cpu(),
+        "raw": None if raw is None else {
+            "mean": {mod: raw[mod].mean.detach().cpu() for mod in MODALITIES},
+            "axes": raw["sketch"].axes.detach().cpu(), "weight": raw["sketch"].weight},
         "trained": bool(trained),
         "epoch": int(epoch),
         "train_state": train_state,
@@ -159,23 +165,31 @@ def init_checkpoint(
     flip_average: bool = True,
     pooling: str = "gem",
     flip_average_sketches: bool | None = None,
+    raw_dims: int | None = None,
 ) -> Path:
     """Write a complete but untrained checkpoint in seconds: real pretrained backbone
     weights, randomly initialised heads (seeded), singular values set to ones, and
     ``trained: False`` (also ``config["untrained"] = True``). For tests of loaders.
-    ``flip_average_sketches`` None: sketches are mirror-averaged as photos are."""
+    ``flip_average_sketches`` None: sketches are mirror-averaged as photos are;
+    ``raw_dims`` None: the preset's raw coordinates (a seeded random projection)."""
     if flip_average_sketches is None:
         flip_average_sketches = flip_average
     cfg = make_config(
         "cpu", backbone=backbone, L=L, hidden=hidden, seed=seed,
         backbone_weights=backbone_weights or "", image_size=image_size,
         flip_average=flip_average, pooling=pooling, flip_average_sketches=flip_average_sketches,
+        **({} if raw_dims is None else {"raw_dims": raw_dims}),
     )
     bb = build_backbone(backbone, backbone_weights, cfg.flip_average, cfg.pooling)
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
         heads = {m: Head(bb.feature_dim, hidden, L, cfg.mu) for m in MODALITIES}
+        raw = None
+        if cfg.raw_dims:  # seeded orthonormal axes and random means
+            axes = torch.linalg.qr(torch.randn(bb.feature_dim, cfg.raw_dims))[0]
+            raw = {m: RawProjection(torch.rand(bb.feature_dim), axes, cfg.raw_weight)
+                   for m in MODALITIES}
     finally:
         torch.random.set_rng_state(gen_state)
     return save_checkpoint(
@@ -186,6 +200,7 @@ def init_checkpoint(
         backbones={"sketch": bb.module, "photo": bb.module},
         heads=heads,
         singular_values=torch.ones(L),
+        raw=raw,
         trained=False,
         epoch=0,
     )

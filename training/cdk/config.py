@@ -85,6 +85,14 @@ class Config:
     # singular values are not. Chosen on validation: +0.015 smoothed mAP, +0.023 P@10
     # (mean of three seeds, README)
     unit_embeddings: bool = True
+    # frozen backbones: raw_dims coordinates appended after the L modes, the backbone
+    # features centred per modality and projected on their top raw_dims principal axes
+    # (fit on the training features of both), scaled to length sqrt(raw_weight): the full
+    # score becomes cosine of the learned embeddings + raw_weight x cosine of the centred
+    # features; d-prefixes with d <= L stay the learned modes alone. 0: none. Chosen on
+    # validation (README)
+    raw_dims: int = 256
+    raw_weight: float = 1.0
     # optimisation
     # 200 epochs with weight decay: the top-32 modes near sorted, validation mAP kept (README)
     epochs: int = 200
@@ -138,6 +146,7 @@ PRESETS: dict[str, dict] = {
         "pooling": "avg",
         "input_dropout": 0.0,
         "unit_embeddings": False,
+        "raw_dims": 0,
         "workers": 8,
     },
 }
@@ -147,9 +156,10 @@ DEFAULT_PRESET = "cpu"
 # default differs (joint nesting used uniform weights before the field existed; their
 # indexes were built without gallery smoothing, from average-pooled features of the image
 # alone; their heads were trained without input dropout; flip_average averaged sketches too;
-# their embeddings were used as the heads return them).
+# their embeddings were used as the heads return them, with no raw coordinates).
 LEGACY = {"nesting_weights": "uniform", "smooth_k": 0, "flip_average": False, "pooling": "avg",
-          "input_dropout": 0.0, "flip_average_sketches": True, "unit_embeddings": False}
+          "input_dropout": 0.0, "flip_average_sketches": True, "unit_embeddings": False,
+          "raw_dims": 0}
 
 
 def nesting_weights(cfg: Config):
@@ -197,7 +207,16 @@ def _check(cfg: Config) -> Config:
     if cfg.finetune and cfg.feature_views:
         raise ValueError("feature_views applies to frozen backbones; fine-tuning augments "
                          "with --augment")
-    for name in ("trainable_stages", "workers", "head_epochs", "image_size", "feature_views"):
+    if cfg.raw_dims and cfg.finetune:
+        raise ValueError("raw_dims applies to frozen backbones; pass --raw-dims 0 with "
+                         "--finetune")
+    if cfg.raw_dims and not cfg.unit_embeddings:
+        raise ValueError("raw_dims weighs a cosine against the unit-length embeddings; it "
+                         "needs --unit-embeddings true (or --raw-dims 0)")
+    if not cfg.raw_weight > 0:
+        raise ValueError(f"raw_weight must be positive, got {cfg.raw_weight!r}")
+    for name in ("trainable_stages", "workers", "head_epochs", "image_size", "feature_views",
+                 "raw_dims"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)!r}")
     if cfg.image_size == 0:  # resolved here, so every consumer and checkpoint sees the size

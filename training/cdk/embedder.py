@@ -25,7 +25,7 @@ from training.images import images_to_tensor
 from .backbones import Backbone, bare_backbone, with_flip_average
 from .checkpoint import read_checkpoint
 from .config import from_dict
-from .model import MODALITIES, Head, retrieval_embedding
+from .model import MODALITIES, Head, RawProjection, retrieval_embedding
 
 __all__ = ["Embedder"]
 
@@ -50,7 +50,9 @@ class Embedder:
     flip_average (sketch features averaged with the mirror image's, as queries are
     embedded), trained_flip_average (whether the checkpoint's sketches were trained so),
     photo_flip_average (whether its photos are), pooling (of the backbone's maps: avg or gem),
-    unit_embeddings (embeddings scaled to unit length; checkpoints of earlier code: not).
+    unit_embeddings (embeddings scaled to unit length; checkpoints of earlier code: not),
+    modes (the learned singular functions, the heads' L), raw_dims (raw coordinates after
+    them, model.RawProjection; 0: none) and L = modes + raw_dims, the embeddings' width.
     """
 
     def __init__(self, ckpt: dict, sha256: str, device=None, source: str = "checkpoint",
@@ -77,7 +79,17 @@ class Embedder:
         self.finetuned: bool = bool(meta.get("finetuned")) or bool(self.config.get("finetune"))
         self.singular_values: torch.Tensor = ckpt["singular_values"].float().cpu()
         arch = ckpt["head_arch"]
-        self.L: int = int(arch["L"])
+        self.modes: int = int(arch["L"])
+        self._raw: dict[str, RawProjection] | None = None
+        raw = ckpt.get("raw")
+        if from_dict(self.config).raw_dims and not raw:
+            raise ValueError(f"{source!r} asks for raw coordinates (raw_dims) but holds no "
+                             "projection for them; train it again")
+        if raw:
+            self._raw = {m: RawProjection(raw["mean"][m], raw["axes"], float(raw["weight"]))
+                         .to(self.device) for m in MODALITIES}
+        self.raw_dims: int = 0 if self._raw is None else self._raw["sketch"].dims
+        self.L: int = self.modes + self.raw_dims
 
         self._backbones: dict[str, Backbone] = {}
         shared = ckpt["backbones"]["sketch"] is ckpt["backbones"]["photo"]
@@ -92,7 +104,7 @@ class Embedder:
             self._backbones[mod] = bb
         self._heads: dict[str, Head] = {}
         for mod in MODALITIES:
-            head = Head(int(arch["in_dim"]), int(arch["hidden"]), self.L, float(arch["mu"]))
+            head = Head(int(arch["in_dim"]), int(arch["hidden"]), self.modes, float(arch["mu"]))
             _load_weights(head, ckpt["heads"][mod], f"{source!r} {mod} head")
             self._heads[mod] = head.to(self.device).eval()
         for bb in {id(b.module): b for b in self._backbones.values()}.values():
@@ -139,8 +151,11 @@ class Embedder:
         """(N, D) backbone features -> (N, L) embedding: f for sketches, g for photos (scaled
         to unit length when the checkpoint's ``unit_embeddings`` says so)."""
         _check_modality(modality)
-        z = self._heads[modality](features.to(self.device).float())
-        return retrieval_embedding(z, self.unit_embeddings)
+        x = features.to(self.device).float()
+        z = retrieval_embedding(self._heads[modality](x), self.unit_embeddings)
+        if self._raw is None:
+            return z
+        return torch.cat([z, self._raw[modality](x)], dim=1)  # (N, modes + raw_dims)
 
     def encode(self, batch: torch.Tensor, modality: str) -> torch.Tensor:
         """(N, 3, H, W) normalised images -> (N, L) embedding: backbone, then head."""
@@ -148,12 +163,19 @@ class Embedder:
 
     def modules(self, modality: str) -> tuple[torch.nn.Module, torch.nn.Module]:
         """The (backbone, head) modules of `modality`, e.g. for export (training.cdk.export);
-        the head returns the raw functions (``head`` also applies ``unit_embeddings``)."""
+        the head returns the learned functions (``head`` also applies ``unit_embeddings``
+        and appends ``raw_projection``'s coordinates)."""
         _check_modality(modality)
         return self._backbones[modality].module, self._heads[modality]
 
+    def raw_projection(self, modality: str) -> RawProjection | None:
+        """`modality`'s raw-coordinate projection (None: the checkpoint has none)."""
+        _check_modality(modality)
+        return None if self._raw is None else self._raw[modality]
+
     def embed(self, images: list[Image.Image], modality: str, batch_size: int = 64) -> np.ndarray:
-        """Images -> float32 array (N, L); coordinate i is the i-th learned singular function."""
+        """Images -> float32 array (N, L); coordinate i < modes is the i-th learned singular
+        function, the raw coordinates (if any) follow."""
         _check_modality(modality)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")

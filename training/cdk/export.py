@@ -47,12 +47,15 @@ class EncoderMismatchError(ValueError):
 
 
 class _Encoder(nn.Module):
-    def __init__(self, backbone: nn.Module, head: nn.Module, unit: bool):
+    def __init__(self, backbone: nn.Module, head: nn.Module, unit: bool,
+                 raw: nn.Module | None):
         super().__init__()
-        self.backbone, self.head, self.unit = backbone, head, unit
+        self.backbone, self.head, self.unit, self.raw = backbone, head, unit, raw
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return retrieval_embedding(self.head(self.backbone(images)), self.unit)  # (N, L)
+        x = self.backbone(images)
+        z = retrieval_embedding(self.head(x), self.unit)  # (N, modes)
+        return z if self.raw is None else torch.cat([z, self.raw(x)], dim=1)  # (N, L)
 
 
 def export_encoder(embedder, modality: str = "sketch") -> bytes:
@@ -60,7 +63,9 @@ def export_encoder(embedder, modality: str = "sketch") -> bytes:
     with the checkpoint hash, modality, L and image size in its metadata."""
     modules = embedder.modules(modality)  # (backbone, head) on the embedder's device
     unit = bool(getattr(embedder, "unit_embeddings", False))
-    model = _Encoder(*(copy.deepcopy(m).cpu().float() for m in modules), unit).eval()
+    raw = embedder.raw_projection(modality) if hasattr(embedder, "raw_projection") else None
+    raw = None if raw is None else copy.deepcopy(raw).cpu().float()
+    model = _Encoder(*(copy.deepcopy(m).cpu().float() for m in modules), unit, raw).eval()
     size = embedder.image_size
     example = torch.zeros(2, 3, size, size)
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)

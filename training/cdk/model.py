@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["Head", "MODALITIES", "retrieval_embedding"]
+__all__ = ["Head", "MODALITIES", "RawProjection", "fit_raw_projections", "retrieval_embedding"]
 
 MODALITIES = ("sketch", "photo")
 
@@ -63,3 +63,57 @@ class Head(nn.Module):
         # Radial cap: rescale rows whose norm exceeds mu onto the sphere of radius mu.
         norm = z.norm(dim=1, keepdim=True).clamp_min(1e-12)
         return z * torch.clamp(self.mu / norm, max=1.0)
+
+
+class RawProjection(nn.Module):
+    """(N, D) backbone features -> (N, p): the features centred by their modality's training
+    mean, projected on p principal axes shared by both modalities, scaled to length
+    sqrt(weight). Appended to the unit-length learned embedding, it adds weight x the
+    cosine of the centred features to the score (``--raw-dims``, ``--raw-weight``)."""
+
+    def __init__(self, mean: torch.Tensor, axes: torch.Tensor, weight: float):
+        super().__init__()
+        if mean.ndim != 1 or axes.ndim != 2 or axes.shape[0] != mean.shape[0]:
+            raise ValueError(f"mean (D,) and axes (D, p) do not fit: {tuple(mean.shape)}, "
+                             f"{tuple(axes.shape)}")
+        if not weight > 0:
+            raise ValueError(f"weight must be positive, got {weight!r}")
+        self.register_buffer("mean", mean.float().clone())
+        self.register_buffer("axes", axes.float().clone())
+        self.weight = float(weight)
+
+    @property
+    def dims(self) -> int:
+        return self.axes.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = (x - self.mean) @ self.axes  # (N, p)
+        return retrieval_embedding(z, True) * self.weight**0.5
+
+    def state(self) -> dict:
+        return {"mean": self.mean.detach().cpu(), "axes": self.axes.detach().cpu(),
+                "weight": self.weight}
+
+
+def fit_raw_projections(sketch_feats: torch.Tensor, photo_feats: torch.Tensor, dims: int,
+                        weight: float) -> dict[str, RawProjection]:
+    """One RawProjection per modality from training features (N_s, D) and (N_p, D): each
+    modality centred by its own mean (the modalities' offset is removed), and the top
+    ``dims`` principal axes of the centred rows of both together (eigenvectors of their
+    second-moment matrix, in float64, by decreasing eigenvalue)."""
+    D = sketch_feats.shape[1]
+    if photo_feats.shape[1] != D:
+        raise ValueError(f"sketch and photo features differ in width: {D}, "
+                         f"{photo_feats.shape[1]}")
+    if not 1 <= dims <= D:
+        raise ValueError(f"raw_dims must be in [1, {D}] (the backbone's feature width), "
+                         f"got {dims}")
+    means = {"sketch": sketch_feats.double().mean(0), "photo": photo_feats.double().mean(0)}
+    second = torch.zeros(D, D, dtype=torch.float64)
+    for x, m in ((sketch_feats, means["sketch"]), (photo_feats, means["photo"])):
+        for i in range(0, len(x), 8192):
+            c = x[i : i + 8192].double() - m
+            second += c.T @ c
+    _, vecs = torch.linalg.eigh(second)  # ascending
+    axes = vecs[:, -dims:].flip(1)  # (D, dims), the largest first
+    return {m: RawProjection(means[m], axes, weight) for m in MODALITIES}

@@ -35,8 +35,8 @@ from .splits import split_classes
 from .train import TrainData, TrainResult, train
 from .views import view_features
 
-__all__ = ["run", "load_data", "embed_features", "embed_dataset", "Evaluation", "evaluate",
-           "evaluate_valid", "metrics_json"]
+__all__ = ["run", "load_data", "embed_features", "embed_dataset", "retrieval_embeddings",
+           "Evaluation", "evaluate", "evaluate_valid", "metrics_json"]
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,7 @@ class Evaluation:
     orthogonality_test: dict
     orthogonality_train: dict
     smoothed: dict | None = None  # against the smoothed gallery (None: smoothing off)
+    learned: dict | None = None  # the learned modes alone, when raw coordinates follow them
 
 
 def embed_dataset(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, ds: Dataset,
@@ -154,6 +155,20 @@ def embed_dataset(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, ds: D
             embed_features(res.heads["photo"], x_p, dev), x_s, x_p)
 
 
+def retrieval_embeddings(cfg: Config, res: TrainResult, fn: torch.Tensor, gn: torch.Tensor,
+                         x_s: torch.Tensor, x_p: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What retrieval scores (as the Embedder embeds): the heads' outputs fn, gn (N, L)
+    through ``retrieval_embedding``, then the raw coordinates of the backbone features
+    x_s, x_p when the run has them: (N, L + raw_dims) each."""
+    f, g = (retrieval_embedding(z, cfg.unit_embeddings) for z in (fn, gn))
+    if res.raw is None:
+        return f, g
+    with torch.no_grad():
+        return (torch.cat([f, res.raw["sketch"].cpu()(x_s.float().cpu())], 1),
+                torch.cat([g, res.raw["photo"].cpu()(x_p.float().cpu())], 1))
+
+
 def evaluate(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, te: Dataset,
              tr_s: torch.Tensor, tr_p: torch.Tensor, device) -> Evaluation:
     """Embed the test classes with the trained heads (and backbones, if fine-tuned) and
@@ -161,9 +176,10 @@ def evaluate(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, te: Datase
     features, the PCA baseline's fit."""
     dev = next(res.heads["sketch"].parameters()).device
     fn, gn, te_s, te_p = embed_dataset(cfg, bbs, res, te, "test", device)
-    f, g = (retrieval_embedding(z, cfg.unit_embeddings) for z in (fn, gn))
+    f, g = retrieval_embeddings(cfg, res, fn, gn, te_s, te_p)
     labels = (te.sketch_labels, te.photo_labels)
-    curves = structure_curves(f, g, *labels, cfg.k)
+    L = cfg.L  # the curves are those of the learned modes' prefixes
+    curves = structure_curves(f[:, :L], g[:, :L], *labels, cfg.k)
     if res.backbones is not None:  # the baseline is the pretrained backbone, not the tuned one
         te_s = _features(cfg, bbs["sketch"], te.sketches, "test sketches", device)
         te_p = _features(cfg, bbs["photo"], te.photos, "test photos", device)
@@ -176,6 +192,8 @@ def evaluate(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, te: Datase
         orthogonality_test={"sketch": orthogonality_stats(fn), "photo": orthogonality_stats(gn)},
         orthogonality_train=_train_orthogonality(res, tr_s, tr_p, dev),
         smoothed=smoothed_metrics(f, g, *labels, cfg.k, smoothing(cfg)),
+        learned=(retrieval_metrics(f[:, :L], g[:, :L], *labels, cfg.k)
+                 if res.raw is not None else None),
     )
 
 
@@ -186,12 +204,15 @@ def evaluate_valid(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, va: 
     not depend on the trained model). None when the split has no validation classes."""
     if not va.classes:
         return None
-    f, g, _, _ = embed_dataset(cfg, bbs, res, va, "valid", device)
-    f, g = (retrieval_embedding(z, cfg.unit_embeddings) for z in (f, g))
+    fn, gn, x_s, x_p = embed_dataset(cfg, bbs, res, va, "valid", device)
+    f, g = retrieval_embeddings(cfg, res, fn, gn, x_s, x_p)
     labels = (va.sketch_labels, va.photo_labels)
-    most = structure_curves(f, g, *labels, cfg.k)["most"]
+    L = cfg.L
+    most = structure_curves(f[:, :L], g[:, :L], *labels, cfg.k)["most"]
     return {
         **retrieval_metrics(f, g, *labels, cfg.k),
+        "learned": (retrieval_metrics(f[:, :L], g[:, :L], *labels, cfg.k)
+                    if res.raw is not None else None),
         "map_by_dims": _by_dims(most, "map_all"),
         "precision_by_dims": _by_dims(most, "precision_at_k"),
         "smoothed": smoothed_metrics(f, g, *labels, cfg.k, smoothing(cfg)),
@@ -224,6 +245,9 @@ def metrics_json(cfg: Config, split: dict, te: Dataset, res: TrainResult, ev: Ev
         "precision_by_dims": _by_dims(ev.curves["most"], "precision_at_k"),
         "map_by_dims_least": _by_dims(ev.curves["least"], "map_all"),
         "precision_by_dims_least": _by_dims(ev.curves["least"], "precision_at_k"),
+        # the learned modes alone (map_all etc. above include the raw coordinates; the
+        # *_by_dims curves are the learned modes' d-prefixes); null without raw coordinates
+        "learned": ev.learned,
         # the same embeddings against the smoothed gallery that index.build stores
         "smoothed": ev.smoothed,
         # the CDK's Rayleigh quotients at the learned pairs (the estimate modes are ordered

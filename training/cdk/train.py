@@ -30,7 +30,7 @@ from .config import NESTING_OF, RUNTIME_FIELDS, Config, nesting_weights, to_dict
 from .data import PairSampler
 from .distributed import barrier, gather_rows, rank_and_world
 from .finetune import Split, StepImages, set_train_mode, step_loader, trunk_cache, validate_images
-from .model import MODALITIES, Head
+from .model import MODALITIES, Head, RawProjection, fit_raw_projections
 
 __all__ = ["TrainData", "TrainResult", "train"]
 
@@ -63,6 +63,8 @@ class TrainResult:
     singular_values: torch.Tensor  # (L,) the CDK's Rayleigh quotients (the ordering estimate)
     history: list = field(default_factory=list)
     singular_values_norm: torch.Tensor | None = None  # (L,) sqrt(E f_l^2 E g_l^2)
+    # the raw coordinates' projection per modality (cfg.raw_dims), None without them
+    raw: dict[str, RawProjection] | None = None
 
 
 class PairModel(nn.Module):
@@ -212,6 +214,9 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
     heads = {m: Head(backbone.feature_dim, cfg.hidden, cfg.L, cfg.mu) for m in MODALITIES}
     heads["sketch"].set_feature_stats(data.sketch_feats)
     heads["photo"].set_feature_stats(data.photo_feats)
+    # the raw coordinates' projections: fit once on the (plain) training features
+    raw = (fit_raw_projections(data.sketch_feats, data.photo_feats, cfg.raw_dims,
+                               cfg.raw_weight) if cfg.raw_dims else None)
     bbs, splits = None, None
     if finetune:
         if cfg.shared_backbone:
@@ -386,7 +391,7 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
                 backbones=dict(model.backbones.items()) if bbs is not None
                 else {"sketch": backbone.module, "photo": backbone.module},
                 heads=dict(model.heads), singular_values=sv, singular_values_norm=sv_norm,
-                trained=True, epoch=epoch + 1,
+                raw=raw, trained=True, epoch=epoch + 1,
                 finetuned=finetune, history=history,
                 train_state=None if last else {"optimizer": optimizer.state_dict(),
                                                "scheduler": scheduler.state_dict()},
@@ -399,4 +404,4 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
         sv, sv_norm = _spectrum(model, cfg, feats, None, sampler)
     model.eval()
     return TrainResult(dict(model.heads), dict(model.backbones.items()) if bbs is not None
-                       else None, sv, history, sv_norm)
+                       else None, sv, history, sv_norm, raw)
