@@ -198,18 +198,17 @@ def _check(cfg: Config) -> Config:
     check_pooling(cfg.pooling)
     if cfg.bn not in BN_POLICIES:
         raise ValueError(f"bn must be one of {BN_POLICIES}, got {cfg.bn!r}")
-    if cfg.finetune and cfg.flip_average:
-        raise ValueError("flip_average applies to frozen backbones; pass --flip-average false "
-                         "with --finetune (fine-tuning augments with flips)")
+    # what only frozen backbones have, and what to pass instead with --finetune
+    frozen_only = {"flip_average": "--flip-average false (fine-tuning augments with flips)",
+                   "feature_views": "--feature-views 0 (fine-tuning augments with --augment)",
+                   "raw_dims": "--raw-dims 0"}
+    for name, instead in frozen_only.items():
+        if cfg.finetune and getattr(cfg, name):
+            raise ValueError(f"{name} applies to frozen backbones; pass {instead} with "
+                             "--finetune")
     if cfg.flip_average_sketches and not cfg.flip_average:
         raise ValueError("flip_average_sketches averages sketches as well as photos; it needs "
                          "--flip-average true")
-    if cfg.finetune and cfg.feature_views:
-        raise ValueError("feature_views applies to frozen backbones; fine-tuning augments "
-                         "with --augment")
-    if cfg.raw_dims and cfg.finetune:
-        raise ValueError("raw_dims applies to frozen backbones; pass --raw-dims 0 with "
-                         "--finetune")
     if cfg.raw_dims and not cfg.unit_embeddings:
         raise ValueError("raw_dims weighs a cosine against the unit-length embeddings; it "
                          "needs --unit-embeddings true (or --raw-dims 0)")
