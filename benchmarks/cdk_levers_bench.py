@@ -35,8 +35,7 @@ from training.cdk.backbones import NATIVE_SIZE, Backbone, build_backbone, global
 from training.cdk.config import Config
 from training.cdk.data import scan
 from training.cdk.metrics import retrieval_metrics, smoothed_metrics, spectrum_order
-from training.cdk.model import retrieval_embedding
-from training.cdk.run import embed_features
+from training.cdk.run import embed_features, retrieval_embeddings
 from training.cdk.smoothing import Smoothing, smooth
 from training.cdk.splits import split_classes
 from training.cdk.train import TrainData
@@ -45,7 +44,7 @@ from training.images import images_to_tensor, load_image
 # name -> (sketch feature set, feature keys joined, training options). Options: flip (which
 # modalities are mirror-averaged), views, cap (nesting weights 1/max(l, cap)), dropout (the
 # heads' input dropout; 0 where absent, as the preset had it when those rows were measured),
-# unit (embeddings scaled to unit length before retrieval, model.retrieval_embedding; off
+# unit (embeddings scaled to unit length before retrieval, model.embedding; off
 # where absent), raw (raw coordinates appended after the modes: (dims, weight),
 # model.fit_raw_projections on the training features; none where absent).
 VARIANTS = {
@@ -180,14 +179,11 @@ def run_variant(F: dict, name: str, seed: int, split: str) -> dict:
         train_mod.nesting_weights = own
     seconds = time.perf_counter() - t0
     dev = torch.device("cpu")
-    f = retrieval_embedding(embed_features(res.heads["sketch"], S[vs], dev), unit)
-    g = retrieval_embedding(embed_features(res.heads["photo"], P[vp], dev), unit)
+    # as training's evaluation and the Embedder embed: unit length, then raw coordinates
+    f, g = retrieval_embeddings(cfg, res, embed_features(res.heads["sketch"], S[vs], dev),
+                                embed_features(res.heads["photo"], P[vp], dev), S[vs], P[vp])
     labels = (sl[vs], pl[vp])
-    learned = retrieval_metrics(f, g, *labels, cfg.k)
-    if res.raw is not None:  # the raw coordinates after the modes, as the Embedder adds them
-        with torch.no_grad():
-            f = torch.cat([f, res.raw["sketch"](S[vs].float())], 1)
-            g = torch.cat([g, res.raw["photo"](P[vp].float())], 1)
+    learned = retrieval_metrics(f[:, : cfg.L], g[:, : cfg.L], *labels, cfg.k)
     full = retrieval_metrics(f, g, *labels, cfg.k)
     by_d = {d: retrieval_metrics(f[:, :d], g[:, :d], *labels, cfg.k)["map_all"]
             for d in (1, 2, 4, 8, 16, 32, 64)}

@@ -25,7 +25,7 @@ from training.images import images_to_tensor
 from .backbones import Backbone, bare_backbone, with_flip_average
 from .checkpoint import read_checkpoint
 from .config import from_dict
-from .model import MODALITIES, Head, RawProjection, retrieval_embedding
+from .model import MODALITIES, Head, RawProjection, embedding
 
 __all__ = ["Embedder"]
 
@@ -73,7 +73,8 @@ class Embedder:
                                    else bool(flip_average) and self.trained_flip_average)
         self.pooling: str = str(meta.get("pooling", "avg"))  # earlier checkpoints: average
         self.config: dict = dict(ckpt["config"])
-        self.unit_embeddings: bool = from_dict(self.config).unit_embeddings
+        config = from_dict(self.config)
+        self.unit_embeddings: bool = config.unit_embeddings
         self.checkpoint_sha256: str = sha256
         self.trained: bool = bool(ckpt["trained"])
         self.finetuned: bool = bool(meta.get("finetuned")) or bool(self.config.get("finetune"))
@@ -82,7 +83,7 @@ class Embedder:
         self.modes: int = int(arch["L"])
         self._raw: dict[str, RawProjection] | None = None
         raw = ckpt.get("raw")
-        if from_dict(self.config).raw_dims and not raw:
+        if config.raw_dims and not raw:
             raise ValueError(f"{source!r} asks for raw coordinates (raw_dims) but holds no "
                              "projection for them; train it again")
         if raw:
@@ -152,10 +153,8 @@ class Embedder:
         to unit length when the checkpoint's ``unit_embeddings`` says so)."""
         _check_modality(modality)
         x = features.to(self.device).float()
-        z = retrieval_embedding(self._heads[modality](x), self.unit_embeddings)
-        if self._raw is None:
-            return z
-        return torch.cat([z, self._raw[modality](x)], dim=1)  # (N, modes + raw_dims)
+        return embedding(self._heads[modality](x), x, self.unit_embeddings,
+                         self.raw_projection(modality))  # (N, modes + raw_dims)
 
     def encode(self, batch: torch.Tensor, modality: str) -> torch.Tensor:
         """(N, 3, H, W) normalised images -> (N, L) embedding: backbone, then head."""

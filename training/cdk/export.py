@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from training.cdk.model import retrieval_embedding
+from training.cdk.model import embedding
 from training.files import atomic_write_bytes
 
 __all__ = ["EncoderMismatchError", "OnnxEncoder", "encoder_path", "export_encoder",
@@ -54,16 +54,15 @@ class _Encoder(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.backbone(images)
-        z = retrieval_embedding(self.head(x), self.unit)  # (N, modes)
-        return z if self.raw is None else torch.cat([z, self.raw(x)], dim=1)  # (N, L)
+        return embedding(self.head(x), x, self.unit, self.raw)  # (N, L)
 
 
 def export_encoder(embedder, modality: str = "sketch") -> bytes:
     """The `modality` encoder of `embedder` (a training.cdk Embedder) as ONNX model bytes,
     with the checkpoint hash, modality, L and image size in its metadata."""
     modules = embedder.modules(modality)  # (backbone, head) on the embedder's device
-    unit = bool(getattr(embedder, "unit_embeddings", False))
-    raw = embedder.raw_projection(modality) if hasattr(embedder, "raw_projection") else None
+    unit = embedder.unit_embeddings
+    raw = embedder.raw_projection(modality)
     raw = None if raw is None else copy.deepcopy(raw).cpu().float()
     model = _Encoder(*(copy.deepcopy(m).cpu().float() for m in modules), unit, raw).eval()
     size = embedder.image_size

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["Head", "MODALITIES", "RawProjection", "fit_raw_projections", "retrieval_embedding"]
+__all__ = ["Head", "MODALITIES", "RawProjection", "embedding", "fit_raw_projections",
+           "retrieval_embedding"]
 
 MODALITIES = ("sketch", "photo")
 
@@ -90,9 +91,6 @@ class RawProjection(nn.Module):
         z = (x - self.mean) @ self.axes  # (N, p)
         return retrieval_embedding(z, True) * self.weight**0.5
 
-    def state(self) -> dict:
-        return {"mean": self.mean.detach().cpu(), "axes": self.axes.detach().cpu(),
-                "weight": self.weight}
 
 
 def fit_raw_projections(sketch_feats: torch.Tensor, photo_feats: torch.Tensor, dims: int,
@@ -117,3 +115,13 @@ def fit_raw_projections(sketch_feats: torch.Tensor, photo_feats: torch.Tensor, d
     _, vecs = torch.linalg.eigh(second)  # ascending
     axes = vecs[:, -dims:].flip(1)  # (D, dims), the largest first
     return {m: RawProjection(means[m], axes, weight) for m in MODALITIES}
+
+
+def embedding(z: torch.Tensor, features: torch.Tensor, unit: bool,
+              raw: RawProjection | None) -> torch.Tensor:
+    """The embedding retrieval scores, from a head's outputs z (N, L) on backbone features
+    (N, D): ``retrieval_embedding`` of z, then ``raw``'s coordinates of the features when
+    given: (N, L + raw.dims). The Embedder, the exported encoder and training's evaluation
+    all embed through this."""
+    z = retrieval_embedding(z, unit)
+    return z if raw is None else torch.cat([z, raw(features)], dim=1)

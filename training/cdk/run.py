@@ -28,7 +28,7 @@ from .metrics import (
     spectrum_order,
     structure_curves,
 )
-from .model import retrieval_embedding
+from .model import embedding
 from .plots import plot_gallery, plot_spectrum, plot_structure
 from .smoothing import smooth
 from .splits import split_classes
@@ -159,14 +159,13 @@ def retrieval_embeddings(cfg: Config, res: TrainResult, fn: torch.Tensor, gn: to
                          x_s: torch.Tensor, x_p: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """What retrieval scores (as the Embedder embeds): the heads' outputs fn, gn (N, L)
-    through ``retrieval_embedding``, then the raw coordinates of the backbone features
-    x_s, x_p when the run has them: (N, L + raw_dims) each."""
-    f, g = (retrieval_embedding(z, cfg.unit_embeddings) for z in (fn, gn))
-    if res.raw is None:
-        return f, g
+    through ``model.embedding`` (unit length, then the raw coordinates of the backbone features
+    x_s, x_p when the run has them): (N, L + raw_dims) each."""
+    raw = res.raw or {}
     with torch.no_grad():
-        return (torch.cat([f, res.raw["sketch"].cpu()(x_s.float().cpu())], 1),
-                torch.cat([g, res.raw["photo"].cpu()(x_p.float().cpu())], 1))
+        return tuple(embedding(z, x.float().cpu(), cfg.unit_embeddings,
+                               raw[m].cpu() if m in raw else None)
+                     for m, z, x in (("sketch", fn, x_s), ("photo", gn, x_p)))
 
 
 def evaluate(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, te: Dataset,
