@@ -165,7 +165,8 @@ def run_variant(F: dict, name: str, seed: int, split: str) -> dict:
     raw_dims, raw_weight = opt.get("raw", (0, 1.0))
     cfg = dataclasses.replace(Config(image_size=F["size"]), seed=seed, out="",
                               input_dropout=opt.get("dropout", 0.0), unit_embeddings=unit,
-                              raw_dims=raw_dims, raw_weight=raw_weight)
+                              raw_dims=raw_dims, raw_weight=raw_weight,
+                              sort_modes=False)  # the training order, compared with sorted below
     backbone = Backbone("features", torch.nn.Identity(), S.shape[1], (0, 0, 0), (1, 1, 1))
     own = train_mod.nesting_weights
     if "cap" in opt:  # w_l = 1 / max(l, cap): the first cap modes weighted alike

@@ -71,6 +71,14 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
                     ("spectrum_order_norm", "singular_values_norm")):
         rise = np.diff(m[sv]).clip(min=0)
         assert m[key]["max_swap"] == pytest.approx(rise.max())
+    # the preset sorts the modes after training: sorted values, the trained order beside them
+    assert m["config"]["sort_modes"] and m["spectrum_order"]["max_swap"] == 0
+    perm = m["history"][-1]["sorted_from"]
+    trained = np.empty(4)
+    trained[perm] = m["singular_values"]
+    assert m["spectrum_order_trained"]["max_swap"] == pytest.approx(
+        np.diff(trained).clip(min=0).max())
+    assert set(m["spectrum_order_heldout"]) == {"top", "max_swap", "rising_pairs"}
     for key in ("raw_backbone_pca_map_by_dims", "raw_backbone_pca_inner_map_by_dims"):
         assert sorted(m[key], key=int) == ["1", "2", "4"]
     for png in ("structure.png", "spectrum.png", "gallery.png"):

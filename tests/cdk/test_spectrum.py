@@ -7,6 +7,7 @@ import torch
 
 from tests.cdk.reference import cdk_matrix, rayleigh_quotients
 from training.cdk.data import PairSampler
+from training.cdk.metrics import heldout_order, spectrum_order
 from training.loss import cdk_singular_values, singular_values
 
 # 4 classes, 3 photos each and 2 sketches per photo: the sampler's marginals are uniform
@@ -77,3 +78,34 @@ def test_joint_moment_on_subsets_and_instance_pairs():
         inst.joint_moment(f[:2], g[[5]], torch.tensor([0, 1]), torch.tensor([5]))
     with pytest.raises(ValueError, match="disagree on L"):
         cdk_singular_values(f, g[:, :2], torch.zeros(3))
+
+
+def test_halves_alternate_within_classes_and_keep_pairs():
+    sampler = PairSampler(SKETCH_LABELS, PHOTO_LABELS)
+    (sa, pa), (sb, pb) = sampler.halves()
+    for a, b, labels in ((sa, sb, SKETCH_LABELS), (pa, pb, PHOTO_LABELS)):
+        assert sorted(torch.cat([a, b]).tolist()) == list(range(len(labels)))  # a partition
+        for c in range(4):  # each class split evenly, alternating in file order
+            rows = np.flatnonzero(labels == c)
+            assert a.tolist() == sorted(a.tolist())
+            assert set(rows[0::2]) <= set(a.tolist()) and set(rows[1::2]) <= set(b.tolist())
+    # on a subset: alternation in the order given, positions index the given rows
+    rows = torch.tensor([13, 2, 3, 0, 7])  # classes 2, 0, 0, 0, 1
+    (sa, _), (sb, _) = sampler.halves(rows, None)
+    assert rows[sa].tolist() == [13, 2, 0, 7] and rows[sb].tolist() == [3]
+    # instance pairing: a sketch goes with its photo; one whose photo is absent goes nowhere
+    photo_of = np.repeat(np.arange(12), 2)
+    inst = PairSampler(SKETCH_LABELS, PHOTO_LABELS, "instance", photo_of)
+    photos = torch.tensor([0, 1, 2, 4])
+    (sa, pa), (sb, pb) = inst.halves(None, photos)
+    assert photos[pa].tolist() == [0, 2, 4] and photos[pb].tolist() == [1]
+    assert sa.tolist() == [0, 1, 4, 5, 8, 9] and sb.tolist() == [2, 3]
+
+
+def test_heldout_order_flags_halves_that_disagree():
+    agree = torch.tensor([1.0, 0.8, 0.9, 0.5])  # both halves see mode 3 above mode 2
+    assert heldout_order(agree, agree + 0.01)["max_swap"] == 0.0
+    b = torch.tensor([1.0, 0.9, 0.8, 0.5])  # the other half sees them the other way round
+    out = heldout_order(agree, b)
+    assert out["max_swap"] == pytest.approx(0.1) and out["rising_pairs"] == 1
+    assert spectrum_order(agree)["max_swap"] == pytest.approx(0.1)  # as given: unsorted

@@ -185,9 +185,10 @@ def test_input_dropout_masks_are_drawn_per_step_at_the_configured_rate(tmp_path,
     assert torch.isin(both, torch.tensor([0.0, 1 / 0.75])).all()
     assert abs((both == 0).float().mean().item() - 0.25) < 0.05
     assert not torch.equal(scales[0], scales[2])  # a new mask each step
-    # the spectrum after each epoch embeds all 24 rows of each modality without a mask
+    # the spectrum after each epoch, and its held-out check after the last, embed all 24
+    # rows of each modality without a mask
     assert all(s is None or s.shape == (8, 6) for s in seen)
-    assert sum(s is None for s in seen) == 2 * 2
+    assert sum(s is None for s in seen) == 2 * 2 + 2
     seen.clear()
     train_mod.train(_cfg(tmp_path, input_dropout=0.0, epochs=1), data, synthetic_backbone(),
                     tmp_path / "nodrop")
@@ -221,3 +222,46 @@ def test_training_fits_and_stores_the_raw_projection(tmp_path):
     with pytest.raises(ValueError, match="raw_dims must be in"):
         train_mod.train(_cfg(tmp_path / "wide", raw_dims=7), data, synthetic_backbone(),
                         tmp_path / "wide")
+
+
+def test_sorted_modes_are_the_trained_ones_in_decreasing_singular_value(tmp_path):
+    # L = 6 on 4 classes: the CDK has rank 3, so modes 4-6 sit near 0 in no fixed order
+    data, bb = synthetic_data(), synthetic_backbone()
+    kept = train_mod.train(_cfg(tmp_path, L=6, sort_modes=False), data, bb, tmp_path / "kept")
+    done = train_mod.train(_cfg(tmp_path, L=6), data, bb, tmp_path / "sorted")
+    perm = torch.tensor(done.history[-1]["sorted_from"])
+    assert sorted(perm.tolist()) == list(range(6))
+    assert "sorted_from" not in kept.history[-1]
+    sv = done.singular_values
+    assert bool((sv[1:] <= sv[:-1]).all())
+    torch.testing.assert_close(sv, kept.singular_values[perm])
+    torch.testing.assert_close(done.singular_values_norm, kept.singular_values_norm[perm])
+    # the same training up to the final permutation of both heads' coordinates
+    for m, x in (("sketch", data.sketch_feats), ("photo", data.photo_feats)):
+        with torch.no_grad():
+            torch.testing.assert_close(done.heads[m](x), kept.heads[m](x)[:, perm])
+    assert done.order_trained == kept.order_trained == train_mod.spectrum_order(
+        kept.singular_values)
+    assert done.order_heldout == kept.order_heldout
+    assert done.order_heldout["top"] == 6
+    # the stored checkpoint holds the sorted heads and values
+    ck = load_checkpoint(tmp_path / "sorted" / "checkpoint.pt")
+    torch.testing.assert_close(ck["singular_values"], sv)
+    torch.testing.assert_close(ck["heads"]["photo"]["mlp.2.bias"],
+                               kept.heads["photo"].mlp[2].bias.detach()[perm])
+    # resuming the finished run reports the same
+    again = train_mod.train(_cfg(tmp_path, L=6), data, bb, tmp_path / "sorted")
+    assert again.order_trained == done.order_trained
+    assert again.history[-1]["sorted_from"] == perm.tolist()
+
+
+def test_permute_modes_reorders_the_outputs():
+    torch.manual_seed(0)
+    head = train_mod.Head(5, 8, 4, 16.0)
+    x = torch.randn(7, 5)
+    with torch.no_grad():
+        before = head(x)
+        head.permute_modes(torch.tensor([2, 0, 3, 1]))
+        torch.testing.assert_close(head(x), before[:, [2, 0, 3, 1]])
+    with pytest.raises(ValueError, match="permutation"):
+        head.permute_modes(torch.tensor([0, 0, 1, 2]))

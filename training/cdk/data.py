@@ -144,6 +144,27 @@ class PairSampler:
             raise ValueError("no sketch among the given rows has its pair among the photos")
         return pairs.mean(0)
 
+    def halves(self, sketch_idx=None, photo_idx=None):
+        """The given rows (None: all, in order) cut in two halves A and B of the same
+        distribution, for a held-out check of an estimate: [(sketch_pos_A, photo_pos_A),
+        (sketch_pos_B, photo_pos_B)], positions within the given rows. Photos alternate
+        between the halves in their order within each class; a sketch goes with its
+        class's alternation (class pairing) or with its photo (instance pairing), so each
+        half keeps its pairs."""
+        s_idx = (torch.arange(len(self.sketch_labels)) if sketch_idx is None
+                 else torch.as_tensor(sketch_idx).long())
+        p_idx = (torch.arange(len(self.photo_labels)) if photo_idx is None
+                 else torch.as_tensor(photo_idx).long())
+        p_half = _alternate(self.photo_labels[p_idx])
+        if self.pairing == "instance":
+            half_of = torch.full((int(self.photo_of.max()) + 1,), -1, dtype=torch.long)
+            half_of[p_idx] = p_half
+            s_half = half_of[self.photo_of[s_idx]]  # -1: its photo is not among the rows
+        else:
+            s_half = _alternate(self.sketch_labels[s_idx])
+        return [(torch.nonzero(s_half == h).flatten(), torch.nonzero(p_half == h).flatten())
+                for h in (0, 1)]
+
     def num_sketches(self) -> int:
         return len(self.sketch_labels)
 
@@ -166,3 +187,13 @@ class PairSampler:
                 k = (u * self.count[c]).long().clamp_max(self.count[c] - 1)
                 p = self.order[self.start[c] + k]
             yield s, p
+
+
+def _alternate(labels: torch.Tensor) -> torch.Tensor:
+    """(N,) class labels -> (N,) 0/1: the rank of each row within its class, modulo 2."""
+    rank = torch.empty_like(labels)
+    order = torch.argsort(labels, stable=True)
+    sorted_labels = labels[order]
+    first = torch.searchsorted(sorted_labels, sorted_labels)  # where each class starts
+    rank[order] = torch.arange(len(labels)) - first
+    return rank % 2

@@ -12,8 +12,9 @@ import torch
 
 from .smoothing import smooth
 
-__all__ = ["spectrum_order", "retrieval_metrics", "structure_curves", "orthogonality_stats",
-           "power_of_two_dims", "cosine_scores_metrics", "pca_curves", "smoothed_metrics"]
+__all__ = ["spectrum_order", "heldout_order", "retrieval_metrics", "structure_curves",
+           "orthogonality_stats", "power_of_two_dims", "cosine_scores_metrics", "pca_curves",
+           "smoothed_metrics"]
 
 
 def spectrum_order(sv, top: int = 32) -> dict:
@@ -24,6 +25,18 @@ def spectrum_order(sv, top: int = 32) -> dict:
     rise = (s[1:] - s[:-1]).clamp_min(0)
     return {"top": len(s), "max_swap": float(rise.max()) if len(rise) else 0.0,
             "rising_pairs": int((rise > 0).sum())}
+
+
+def heldout_order(sv_a, sv_b, top: int = 32) -> dict:
+    """Whether an order of the modes holds beyond the sample it was read from: the modes
+    sorted by one half's estimates sv_a (L,), the other half's sv_b taken in that order
+    (spectrum_order), and the same the other way round; the worse of the two. Halves that
+    agree on the order give 0 however their values differ, so a small value says the order
+    is the functions' own; where estimation noise decides it, the halves disagree."""
+    a, b = (torch.as_tensor(v, dtype=torch.float64) for v in (sv_a, sv_b))
+    one = spectrum_order(b[torch.argsort(a, descending=True, stable=True)], top)
+    other = spectrum_order(a[torch.argsort(b, descending=True, stable=True)], top)
+    return max(one, other, key=lambda o: o["max_swap"])
 
 
 def _ap_and_pk(scores: torch.Tensor, rel: torch.Tensor, k: int):

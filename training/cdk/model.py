@@ -54,6 +54,17 @@ class Head(nn.Module):
     def arch(self) -> dict:
         return {"in_dim": self.in_dim, "hidden": self.hidden, "L": self.L, "mu": self.mu}
 
+    @torch.no_grad()
+    def permute_modes(self, perm: torch.Tensor) -> None:
+        """Output coordinate l becomes the former coordinate perm[l] (the output layer's
+        rows are permuted; the norm cap is invariant to the order)."""
+        perm = torch.as_tensor(perm, dtype=torch.long)
+        if sorted(perm.tolist()) != list(range(self.L)):
+            raise ValueError(f"perm must be a permutation of 0..{self.L - 1}")
+        out = self.mlp[-1]
+        out.weight.copy_(out.weight[perm.to(out.weight.device)])
+        out.bias.copy_(out.bias[perm.to(out.bias.device)])
+
     def forward(self, x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
         """input_scale: (N, in_dim) factors applied to the standardised input (a dropout
         mask divided by the keep probability), or None (every embedding)."""

@@ -39,13 +39,17 @@ def plot_structure(curves: dict[str, dict], path: str | Path, metric: str = "map
     return atomic_savefig(fig, path, dpi=120)
 
 
-def plot_spectrum(sv, path: str | Path, sv_norm=None) -> Path:
+def plot_spectrum(sv, path: str | Path, sv_norm=None, sv_trained=None) -> Path:
     """sv: (L,) estimated singular values (Rayleigh quotients) against their mode index;
-    sv_norm: (L,) the norms' estimate sqrt(E f^2 E g^2), drawn beside them when given. The
-    second panel zooms on the top 32 modes, where the order is checked."""
+    sv_norm: (L,) the norms' estimate sqrt(E f^2 E g^2), drawn beside them when given;
+    sv_trained: (L,) the quotients in the order the modes were trained in, when the modes
+    were sorted afterwards. The second panel zooms on the top 32 modes, where the order is
+    checked."""
     plt = _plt()
     sv = np.asarray(sv)
     curves = [("Rayleigh quotient <f, K g> / (|f| |g|)", sv)]
+    if sv_trained is not None:
+        curves.append(("the same, in the order trained (before sorting)", np.asarray(sv_trained)))
     if sv_norm is not None:
         curves.append(("sqrt(E f^2 E g^2)", np.asarray(sv_norm)))
     top = min(32, len(sv))

@@ -253,6 +253,10 @@ def metrics_json(cfg: Config, split: dict, te: Dataset, res: TrainResult, ev: Ev
         # by), and sqrt(E f^2 E g^2), first-order in the pairs' error, beside them
         "singular_values": res.singular_values.tolist(),
         "spectrum_order": spectrum_order(res.singular_values),
+        # the order the modes were trained in (before --sort-modes reordered them), and
+        # the sorted order checked on held-out halves of the training rows
+        "spectrum_order_trained": res.order_trained,
+        "spectrum_order_heldout": res.order_heldout,
         "singular_values_norm": (None if res.singular_values_norm is None
                                  else res.singular_values_norm.tolist()),
         "spectrum_order_norm": (None if res.singular_values_norm is None
@@ -284,7 +288,12 @@ def write_plots(cfg: Config, te: Dataset, res: TrainResult, ev: Evaluation, out:
                     "raw features, top-d principal axes, inner product": ev.raw_pca["inner"],
                     "raw features, all dims, cosine": {d: ev.raw for d in most}},
                    out / "structure.png")
-    plot_spectrum(res.singular_values, out / "spectrum.png", res.singular_values_norm)
+    trained = None
+    perm = res.history[-1].get("sorted_from") if res.history else None
+    if perm is not None:  # coordinate l was mode perm[l]: put each value back in its place
+        trained = torch.empty_like(res.singular_values)
+        trained[torch.as_tensor(perm)] = res.singular_values
+    plot_spectrum(res.singular_values, out / "spectrum.png", res.singular_values_norm, trained)
     # the photos as an index of them returns them: smoothed when the config smooths
     gallery = smooth(ev.g, smoothing(cfg))
     plot_gallery(ev.f.numpy(), gallery.numpy(), te.sketch_labels, te.photo_labels, te.sketches,

@@ -30,6 +30,7 @@ from .config import NESTING_OF, RUNTIME_FIELDS, Config, nesting_weights, to_dict
 from .data import PairSampler
 from .distributed import barrier, gather_rows, rank_and_world
 from .finetune import Split, StepImages, set_train_mode, step_loader, trunk_cache, validate_images
+from .metrics import heldout_order, spectrum_order
 from .model import MODALITIES, Head, RawProjection, fit_raw_projections
 
 __all__ = ["TrainData", "TrainResult", "train"]
@@ -65,6 +66,10 @@ class TrainResult:
     singular_values_norm: torch.Tensor | None = None  # (L,) sqrt(E f_l^2 E g_l^2)
     # the raw coordinates' projection per modality (cfg.raw_dims), None without them
     raw: dict[str, RawProjection] | None = None
+    # metrics.spectrum_order of the modes as trained (before cfg.sort_modes reorders
+    # them), and metrics.heldout_order on two halves of the training rows
+    order_trained: dict | None = None
+    order_heldout: dict | None = None
 
 
 class PairModel(nn.Module):
@@ -165,13 +170,13 @@ def _train_mode(model: PairModel, cfg: Config) -> None:
 
 
 @torch.no_grad()
-def _spectrum(model: PairModel, cfg: Config, feats: dict, inputs: _Inputs | None,
-              sampler: PairSampler) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sigma, sigma_norm), each (L,), on the training set: sigma the CDK's Rayleigh
-    quotients (training.loss.cdk_singular_values, the estimate modes are ordered by),
-    sigma_norm = sqrt(E f_l(X)^2 E g_l(Y)^2). On ``feats`` (N, D) per modality, or, while
-    the backbones train, on a seeded subset of at most 1024 sketches and 1024 photos (their
-    own photos under instance pairing) to bound the cost. Leaves the model in eval mode."""
+def _train_outputs(model: PairModel, cfg: Config, feats: dict, inputs: _Inputs | None,
+                   sampler: PairSampler) -> tuple[list[torch.Tensor], dict]:
+    """The heads' outputs on the training set, [(S, L), (P, L)] on the CPU, and the rows
+    they are at ({modality: indices}, None: all): on ``feats`` (N, D) per modality, or,
+    while the backbones train, on a seeded subset of at most 1024 sketches and 1024
+    photos (their own photos under instance pairing) to bound the cost. Leaves the model
+    in eval mode."""
     model.eval()
     idx = {m: None for m in MODALITIES}
     if inputs is not None:
@@ -185,9 +190,48 @@ def _spectrum(model: PairModel, cfg: Config, feats: dict, inputs: _Inputs | None
         x = feats[mod] if inputs is None else inputs.features(model, mod, idx[mod].tolist())
         out.append(torch.cat([model.heads[mod](x[i : i + 8192]).float()
                               for i in range(0, len(x), 8192)]).cpu())
+    return out, idx
+
+
+def _quotients(out: list[torch.Tensor], idx: dict, sampler: PairSampler) -> torch.Tensor:
     joint = sampler.joint_moment(out[0], out[1], idx["sketch"], idx["photo"])
-    return (cdk_singular_values(out[0], out[1], joint).float(),
-            singular_values(out[0], out[1]).float())
+    return cdk_singular_values(out[0], out[1], joint).float()
+
+
+@torch.no_grad()
+def _spectrum(model: PairModel, cfg: Config, feats: dict, inputs: _Inputs | None,
+              sampler: PairSampler) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sigma, sigma_norm), each (L,), on the training set (``_train_outputs``): sigma the
+    CDK's Rayleigh quotients (training.loss.cdk_singular_values, the estimate modes are
+    ordered by), sigma_norm = sqrt(E f_l(X)^2 E g_l(Y)^2)."""
+    out, idx = _train_outputs(model, cfg, feats, inputs, sampler)
+    return _quotients(out, idx, sampler), singular_values(out[0], out[1]).float()
+
+
+@torch.no_grad()
+def _heldout(model: PairModel, cfg: Config, feats: dict, inputs: _Inputs | None,
+             sampler: PairSampler) -> dict:
+    """metrics.heldout_order of the Rayleigh quotients read on two halves of the training
+    rows (PairSampler.halves): is the modes' order a property of the functions, or of the
+    sample that estimated it?"""
+    out, idx = _train_outputs(model, cfg, feats, inputs, sampler)
+    sv = []
+    for s_pos, p_pos in sampler.halves(idx["sketch"], idx["photo"]):
+        rows = {m: (pos if idx[m] is None else idx[m][pos])
+                for m, pos in (("sketch", s_pos), ("photo", p_pos))}
+        sv.append(_quotients([out[0][s_pos], out[1][p_pos]], rows, sampler))
+    return heldout_order(*sv)
+
+
+def _sort_modes(model: PairModel, sv: torch.Tensor, sv_norm: torch.Tensor | None):
+    """Both heads' coordinates reordered by decreasing Rayleigh quotient (stable, so an
+    ordered run is unchanged): coordinate l is then the mode with the l-th largest
+    estimated singular value. Returns sv and sv_norm in the new order, and the
+    permutation (coordinate l was mode perm[l])."""
+    perm = torch.argsort(sv, descending=True, stable=True)
+    for m in MODALITIES:
+        model.heads[m].permute_modes(perm)
+    return sv[perm], None if sv_norm is None else sv_norm[perm], perm
 
 
 def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
@@ -381,6 +425,15 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
                         "lr": scheduler.get_last_lr()[0], "seconds": time.perf_counter() - t0,
                         "sigma_top": sv[: min(4, cfg.L)].tolist(),
                         "phase": "all" if epoch < cfg.epochs else "heads"})
+        if epoch + 1 == total:
+            # the order as trained, and whether it holds on held-out halves; then (when
+            # cfg.sort_modes) the coordinates in the estimated order
+            history[-1]["spectrum_order_trained"] = spectrum_order(sv)
+            history[-1]["spectrum_order_heldout"] = _heldout(
+                model, cfg, feats, inputs if epoch < cfg.epochs else None, sampler)
+            if cfg.sort_modes:
+                sv, sv_norm, perm = _sort_modes(model, sv, sv_norm)
+                history[-1]["sorted_from"] = perm.tolist()  # coordinate l was mode perm[l]
         log.info("epoch %d/%d loss %.4f sigma[:4] %s (%.1fs)", epoch + 1, total,
                  history[-1]["loss"], [round(v, 3) for v in history[-1]["sigma_top"]],
                  history[-1]["seconds"])
@@ -403,5 +456,7 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
             feats = {m: inputs.features(model, m) for m in MODALITIES}
         sv, sv_norm = _spectrum(model, cfg, feats, None, sampler)
     model.eval()
+    last = history[-1] if history else {}
     return TrainResult(dict(model.heads), dict(model.backbones.items()) if bbs is not None
-                       else None, sv, history, sv_norm, raw)
+                       else None, sv, history, sv_norm, raw,
+                       last.get("spectrum_order_trained"), last.get("spectrum_order_heldout"))
