@@ -32,6 +32,10 @@ def test_each_method_runs_end_to_end_on_hydrogen(method, tmp_path):
     assert all(map(lambda v: v == v, m["eigenvalues"]))  # no NaN
     for name in ("checkpoint.pt", "eigenfunctions.png", "orthogonality.png", "errors.png"):
         assert (tmp_path / name).stat().st_size > 0
+    # the hydrogen cpu preset adds a Rayleigh-Ritz step, measured beside the modes as trained
+    r = m["ritz"]
+    assert r["samples"] == 65_536 and len(r["ritz_values"]) == 16 and len(r["rel_errors"]) == 16
+    assert r["ritz_values"] == sorted(r["ritz_values"], reverse=True)
 
 
 def test_oscillator_in_3d_and_2d_with_the_exact_laplacian(tmp_path):
@@ -44,7 +48,7 @@ def test_oscillator_in_3d_and_2d_with_the_exact_laplacian(tmp_path):
     main(["oscillator", "--laplacian", "exact", "--iterations", "2", "--out",
          str(tmp_path / "d2"), "--train-std", "3", *TINY[2:]])
     m = json.loads((tmp_path / "d2" / "metrics.json").read_text())
-    assert m["config"]["train_std"] == 3.0
+    assert m["config"]["train_std"] == 3.0 and m["ritz"] is None  # the oscillator has none
     assert len(m["eigenvalues"]) == 55 and len(m["rel_errors"]) == 28  # paper preset
 
 
@@ -57,6 +61,7 @@ def test_oscillator_in_3d_and_2d_with_the_exact_laplacian(tmp_path):
         (["helium"], "invalid choice: 'helium'"),
         (["hydrogen", "--iterations", "many"], "invalid int value: 'many'"),
         (["hydrogen", "--batch-size", "1"], "batch_size must be >= 2, got 1"),
+        (["hydrogen", "--ritz-samples", "1"], "ritz_samples must be 0 (none) or >= 2"),
         (["hydrogen", "--ndim", "3"], "ndim=3"),
         (["hydrogen", "--batch_size", "512"], "unrecognized arguments: --batch_size"),
         (["hydrogen", "--resume", "maybe"], "argument --resume: expected one of"),

@@ -22,6 +22,11 @@ def main(argv: list[str] | None = None) -> int:
         f"subspace_distance_mean {m['subspace_distance_mean']:.3g}, "
         f"orthogonality {m['orthogonality']:.3g}; wrote {config.out}/metrics.json"
     )
+    if m["ritz"] is not None:
+        r = m["ritz"]
+        print(f"after Rayleigh-Ritz ({r['samples']} samples): rel_error_mean "
+              f"{r['rel_error_mean']:.3g}, subspace_distance_mean "
+              f"{r['subspace_distance_mean']:.3g}, order_correct {r['order_correct']}")
     return 0
 
 

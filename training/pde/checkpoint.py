@@ -28,7 +28,8 @@ __all__ = ["CHECKPOINT", "build_model", "save_checkpoint", "load_checkpoint",
 
 CHECKPOINT = "checkpoint.pt"
 # settings that may differ between a run and its resumption
-RESUMABLE = frozenset({"resume", "threads", "device", "out", "checkpoint_every", "eval_points"})
+RESUMABLE = frozenset({"resume", "threads", "device", "out", "checkpoint_every", "eval_points",
+                       "ritz_samples"})
 
 
 def build_model(config: Config, problem: Problem) -> DisjointMLPs:

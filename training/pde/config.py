@@ -39,6 +39,9 @@ class Config:
     ema_decay: float = 0.995  # EMA of the parameters, used for evaluation
     spin_decay: float = 0.99  # SpIN's moving averages of Sigma and the Jacobian
     eval_points: int = 0  # 0: the problem's quadrature default
+    # a Rayleigh-Ritz step after training (training.pde.ritz) from this many samples of
+    # p_train, evaluated beside the modes as trained (metrics.json "ritz"); 0: none
+    ritz_samples: int = 0
     train_std: float = 0.0  # std of the sampling distribution p_train; 0: the problem's
     # a second Gaussian N(0, train_mix_std^2 I) drawing this share of the samples; 0: none
     train_mix_fraction: float = 0.0
@@ -72,6 +75,8 @@ class Config:
         for name in ["ema_decay", "spin_decay"]:
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if self.ritz_samples < 0 or self.ritz_samples == 1:
+            raise ValueError(f"ritz_samples must be 0 (none) or >= 2, got {self.ritz_samples!r}")
         if self.shift < 0:
             raise ValueError(f"shift must be >= 0 (0: the problem's), got {self.shift!r}")
         if self.shift and self.problem != "oscillator":
@@ -144,7 +149,8 @@ def cpu(problem: Problem) -> dict:
         hidden=64,
     )
     if problem.name == "hydrogen":
-        values.update(train_mix_std=2.0, train_mix_fraction=0.25, lr=2e-3)
+        values.update(train_mix_std=2.0, train_mix_fraction=0.25, lr=2e-3,
+                      ritz_samples=65_536)
     if problem.name == "oscillator":
         values.update(
             iterations=9_000, batch_size=128, fourier_scale=0.15, lr=2e-3, train_std=2.0

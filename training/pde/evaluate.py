@@ -30,13 +30,20 @@ def learned_functions(
     return torch.cat(fs), torch.cat(Tfs)
 
 
-def evaluate(model, problem: Problem, laplacian="fd", eps=0.01, eval_points=0) -> dict:
+def evaluate(model, problem: Problem, laplacian="fd", eps=0.01, eval_points=0,
+             ritz: torch.Tensor | None = None) -> dict:
     """All measures of the learned modes (see ``metrics.summarize``), plus the rotations
-    that align them with the truth, for plotting."""
+    that align them with the truth, for plotting. ``ritz``: an (L, K) matrix of
+    combinations of the modes (``training.pde.ritz``); the combined functions f C, whose
+    T f C is (T f) C, are then measured the same way, as result["ritz"]."""
     x, w = problem.quadrature("cpu", eval_points or None)
     f, Tf = learned_functions(model, problem, x, laplacian, eps)
     truth = problem.eigenfunctions(x)
     out = metrics.summarize(f, Tf, truth, w, problem.eigenvalues_true)
+    refined = None
+    if ritz is not None:
+        C = ritz.to(f.dtype)
+        refined = metrics.summarize(f @ C, Tf @ C, truth, w, problem.eigenvalues_true)
     out["quadrature"] = problem.quadrature_name
     out["quadrature_points"] = int(x.shape[0])
     n = problem.n_eval
@@ -44,7 +51,7 @@ def evaluate(model, problem: Problem, laplacian="fd", eps=0.01, eval_points=0) -
     a = metrics.normalize(f, w)
     gram = metrics.inner(a, a, w)  # (L, L), for the orthogonality plot
     norms = metrics.norm_eigenvalues(f[:, :n], w).sqrt()
-    return {"metrics": out, "rotations": rot, "gram": gram, "norms": norms}
+    return {"metrics": out, "rotations": rot, "gram": gram, "norms": norms, "ritz": refined}
 
 
 def aligned_on_grid(model, problem: Problem, rotations, norms, half_width, n=96):

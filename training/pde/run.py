@@ -12,6 +12,7 @@ from training.files import atomic_write_text
 from training.pde import plots
 from training.pde.config import Config, problem_of
 from training.pde.evaluate import aligned_on_grid, evaluate
+from training.pde.ritz import ritz_rotation
 from training.pde.train import train
 
 __all__ = ["run"]
@@ -24,7 +25,13 @@ def run(config: Config, progress: bool = True) -> dict:
     metrics."""
     problem = problem_of(config)
     model, info = train(config, progress=progress)
-    result = evaluate(model, problem, config.laplacian, config.fd_eps, config.eval_points)
+    ritz = values = None
+    if config.ritz_samples:
+        # its own stream of samples, apart from training's
+        values, ritz = ritz_rotation(model, problem, config.ritz_samples, config.seed + 7919,
+                                     config.laplacian, config.fd_eps)
+    result = evaluate(model, problem, config.laplacian, config.fd_eps, config.eval_points,
+                      ritz)
     m = result["metrics"]
     out = Path(config.out)
     metrics = {
@@ -35,14 +42,19 @@ def run(config: Config, progress: bool = True) -> dict:
         "seconds": info["seconds"],
         "device": info["device"],
         **m,
+        # the same measures after the Rayleigh-Ritz step (--ritz-samples), with the Ritz
+        # values it estimated from its samples; null without one
+        "ritz": None if ritz is None else {"samples": config.ritz_samples,
+                                           "ritz_values": values.tolist(), **result["ritz"]},
         "config": dataclasses.asdict(config),
     }
     atomic_write_text(json.dumps(metrics, indent=1), out / "metrics.json")
     label = f"{problem.name} {config.method}"
     plots.plot_gram(result["gram"], out / "orthogonality.png", f"{label}: orthogonality")
-    plots.errors_per_mode(
-        {config.method: m["rel_errors"]}, out / "errors.png", f"{label}: eigenvalue errors"
-    )
+    errors = {config.method: m["rel_errors"]}
+    if ritz is not None:
+        errors[f"{config.method}, after Rayleigh-Ritz"] = result["ritz"]["rel_errors"]
+    plots.errors_per_mode(errors, out / "errors.png", f"{label}: eigenvalue errors")
     if problem.ndim == 2:
         learned, truth = aligned_on_grid(
             model, problem, result["rotations"], result["norms"], problem.plot_half_width
