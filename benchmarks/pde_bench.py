@@ -16,6 +16,15 @@ stencil point differentiated, T f carrying its graph), the two interleaved in on
 next to the paper's published code timed on the same 2-core machine:
 
     python -m benchmarks.pde_bench --paper-step --steps 9
+
+With --paper-code DIR --paper-python PY it also runs the paper's published code (a checkout
+of github.com/jongharyu/neural-svd at DIR, run by the interpreter PY of an environment
+that has its dependencies: torch, scipy<1.17, torch-ema, ConfigArgParse, pandas, ...) on
+the same problem and architecture, 1 thread, between its own measurements, for --rounds
+rounds, and prints the ratios measured side by side:
+
+    python -m benchmarks.pde_bench --paper-step --steps 9 --rounds 3 \
+        --paper-code /tmp/nsvd --paper-python /tmp/refvenv/bin/python
 """
 
 from __future__ import annotations
@@ -23,7 +32,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import re
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -124,6 +136,53 @@ def paper_step(problem, batch_size: int, steps: int, warmup: int = 2) -> dict:
             for name, r in runs.items()}
 
 
+# The published code's arguments for the paper's hydrogen run (its scripts/exps/pde/
+# hydrogen.sh) with L = 16, NeuralSVD-seq, evaluation off; the batch and length are added.
+PAPER_ARGS = [
+    "--optimizer", "rmsprop", "--use_lr_scheduler", "--ema_decay", "0.995", "--lr", "1e-4",
+    "--momentum", "0.", "--laplacian_eps", "0.01", "--eval_freq", "100000000", "--overwrite",
+    "--potential_type", "hydrogen", "--ndim", "2", "--lim", "50", "--val_eps", "0.1",
+    "--neigs", "16", "--apply_boundary", "0", "--boundary_mode", "dir_box_sqrt",
+    "--apply_exp_mask", "0", "--exp_mask_init_scale", "100", "--mlp_hidden_dims",
+    "128,128,128", "--hard_mul_const", "1.", "--parallel", "1", "--nonlinearity", "softplus",
+    "--sampling_mode", "gaussian", "--sampling_scale", "16", "--operator_scale", "100",
+    "--use_fourier_feature", "--fourier_mapping_size", "1024", "--fourier_scale", "0.1",
+    "--sort", "0", "--neuralsvd.step", "1", "--neuralsvd.sequential", "1",
+    "--residual_weight", "0.", "--loss_name", "neuralsvd", "--seed", "0", "--print_freq", "10",
+]
+
+
+def paper_code_step(code_dir: str, python: str, batch_size: int, iterations: int,
+                    log_dir: str) -> float:
+    """Seconds per step of the published code on 1 thread: from the cumulative times it
+    prints every 10 steps, (last - first) / steps between them (the first 10 steps, with
+    start-up, are left out)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONPATH": code_dir, "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [python, "examples/operator/pde/main_pde.py", *PAPER_ARGS, "--batch_size",
+           str(batch_size), "--num_iters", str(iterations), "--log_dir", log_dir]
+    out = subprocess.run(cmd, cwd=code_dir, env=env, capture_output=True, text=True)
+    marks = [(int(i), float(t)) for i, t in
+             re.findall(r"'iter': (\d+).*?'time': ([0-9.eE+-]+)", out.stdout)]
+    if out.returncode != 0 or len(marks) < 2:
+        raise RuntimeError(f"the paper's code did not run (exit {out.returncode}): "
+                           f"{(out.stderr or out.stdout)[-2000:]}")
+    (i0, t0), (i1, t1) = marks[0], marks[-1]
+    return (t1 - t0) / (i1 - i0)
+
+
+def _side_by_side_table(rows: list) -> None:
+    print("\nSide by side, 1 thread (each round: the paper's code, then this project's "
+          "step; seconds per step)\n\n| batch | paper's code | this step | ratio |\n"
+          "|---|---|---|---|")
+    for b in (128, 512):
+        ref = [r["paper_code"][b] for r in rows]
+        own = [r["this step"][b] for r in rows]
+        ratios = [a / o for a, o in zip(ref, own, strict=True)]
+        print(f"| {b} | {min(ref):.3f}-{max(ref):.3f} | {min(own):.3f}-{max(own):.3f} | "
+              f"{min(ratios):.2f}-{max(ratios):.2f}x |")
+
+
 def _paper_step_table(rows: dict) -> None:
     print("\nNeuralSVD-seq step, fd Laplacian, paper architecture (hydrogen, L = 16, 3x128 "
           "MLPs, K = 1024), 1 thread: median seconds per step, wall (CPU); the paper's code "
@@ -151,6 +210,13 @@ def main(argv=None):
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-grid", action="store_true")
+    parser.add_argument("--paper-code", default="",
+                        help="with --paper-step: a checkout of the paper's code, timed side by "
+                             "side (needs --paper-python)")
+    parser.add_argument("--paper-python", default="",
+                        help="the interpreter of an environment that runs the paper's code")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="side-by-side rounds with --paper-code")
     parser.add_argument("--paper-step", action="store_true",
                         help="only time the NeuralSVD-seq step against the full-graph one, "
                              "interleaved, hydrogen at batch 128 and 512 on 1 thread (ignores "
@@ -158,6 +224,26 @@ def main(argv=None):
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.paper_code and not (args.paper_step and args.paper_python):
+        parser.error("--paper-code needs --paper-step and --paper-python")
+    if args.paper_code:
+        torch.set_num_threads(1)
+        rounds = []
+        for r in range(args.rounds):
+            row = {"paper_code": {}, "this step": {}}
+            for b in (128, 512):
+                row["paper_code"][b] = paper_code_step(
+                    args.paper_code, args.paper_python, b, 30 if b == 128 else 20,
+                    str(out / "paper-code-log"))
+                row["this step"][b] = paper_step(make_problem("hydrogen"), b,
+                                                 args.steps)["this step"]["wall"]
+                print(f"round {r + 1}, batch {b}: paper's code {row['paper_code'][b]:.3f} "
+                      f"s/step, this step {row['this step'][b]:.3f}", flush=True)
+            rounds.append(row)
+        (out / "paper_side_by_side.json").write_text(json.dumps(
+            {"problem": "hydrogen", "threads": 1, "rounds": rounds}, indent=1))
+        _side_by_side_table(rounds)
+        return
     if args.paper_step:
         torch.set_num_threads(1)  # as the paper's code was timed
         rows = {}
