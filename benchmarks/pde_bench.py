@@ -101,14 +101,18 @@ def _full_graph_hamiltonian(model, problem, x, eps):
     return out[0], lap + (problem.shift - problem.potential(x)).unsqueeze(-1) * out[0]
 
 
-def paper_step(problem, batch_size: int, steps: int, warmup: int = 2) -> dict:
+def paper_step(problem, batch_size: int, steps: int, warmup: int = 2,
+               only: str | None = None) -> dict:
     """Median wall and CPU seconds per NeuralSVD-seq step (fd) of the full-graph step and
-    of the current one, on one model each, alternating which runs first."""
+    of the current one, on one model each, alternating which runs first (``only``: that
+    one of the two alone)."""
     config = preset("paper", problem, method="neuralsvd-seq", batch_size=batch_size)
     hamiltonians = {
         "full graph": lambda m, x: _full_graph_hamiltonian(m, problem, x, config.fd_eps),
         "this step": lambda m, x: negative_hamiltonian(m, problem, x, "fd", config.fd_eps),
     }
+    if only is not None:
+        hamiltonians = {only: hamiltonians[only]}
     runs = {}
     for name, hamiltonian in hamiltonians.items():
         model = build_model(config, problem)
@@ -235,8 +239,8 @@ def main(argv=None):
                 row["paper_code"][b] = paper_code_step(
                     args.paper_code, args.paper_python, b, 30 if b == 128 else 20,
                     str(out / "paper-code-log"))
-                row["this step"][b] = paper_step(make_problem("hydrogen"), b,
-                                                 args.steps)["this step"]["wall"]
+                row["this step"][b] = paper_step(make_problem("hydrogen"), b, args.steps,
+                                                 only="this step")["this step"]["wall"]
                 print(f"round {r + 1}, batch {b}: paper's code {row['paper_code'][b]:.3f} "
                       f"s/step, this step {row['this step'][b]:.3f}", flush=True)
             rounds.append(row)

@@ -103,7 +103,6 @@ class RawProjection(nn.Module):
         return retrieval_embedding(z, True) * self.weight**0.5
 
 
-
 def fit_raw_projections(sketch_feats: torch.Tensor, photo_feats: torch.Tensor, dims: int,
                         weight: float) -> dict[str, RawProjection]:
     """One RawProjection per modality from training features (N_s, D) and (N_p, D): each

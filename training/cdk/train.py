@@ -200,27 +200,24 @@ def _quotients(out: list[torch.Tensor], idx: dict, sampler: PairSampler) -> torc
 
 @torch.no_grad()
 def _spectrum(model: PairModel, cfg: Config, feats: dict, inputs: _Inputs | None,
-              sampler: PairSampler) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sigma, sigma_norm), each (L,), on the training set (``_train_outputs``): sigma the
-    CDK's Rayleigh quotients (training.loss.cdk_singular_values, the estimate modes are
-    ordered by), sigma_norm = sqrt(E f_l(X)^2 E g_l(Y)^2)."""
+              sampler: PairSampler, heldout: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor, dict | None]:
+    """(sigma, sigma_norm, held), sigma and sigma_norm (L,) on the training set
+    (``_train_outputs``): sigma the CDK's Rayleigh quotients
+    (training.loss.cdk_singular_values, the estimate modes are ordered by), sigma_norm =
+    sqrt(E f_l(X)^2 E g_l(Y)^2). With ``heldout``, held is metrics.heldout_order of the
+    quotients read on two halves of the same rows (PairSampler.halves): is the modes'
+    order a property of the functions, or of the sample that estimated it? Else None."""
     out, idx = _train_outputs(model, cfg, feats, inputs, sampler)
-    return _quotients(out, idx, sampler), singular_values(out[0], out[1]).float()
-
-
-@torch.no_grad()
-def _heldout(model: PairModel, cfg: Config, feats: dict, inputs: _Inputs | None,
-             sampler: PairSampler) -> dict:
-    """metrics.heldout_order of the Rayleigh quotients read on two halves of the training
-    rows (PairSampler.halves): is the modes' order a property of the functions, or of the
-    sample that estimated it?"""
-    out, idx = _train_outputs(model, cfg, feats, inputs, sampler)
-    sv = []
-    for s_pos, p_pos in sampler.halves(idx["sketch"], idx["photo"]):
-        rows = {m: (pos if idx[m] is None else idx[m][pos])
-                for m, pos in (("sketch", s_pos), ("photo", p_pos))}
-        sv.append(_quotients([out[0][s_pos], out[1][p_pos]], rows, sampler))
-    return heldout_order(*sv)
+    held = None
+    if heldout:
+        halves = []
+        for s_pos, p_pos in sampler.halves(idx["sketch"], idx["photo"]):
+            rows = {m: (pos if idx[m] is None else idx[m][pos])
+                    for m, pos in (("sketch", s_pos), ("photo", p_pos))}
+            halves.append(_quotients([out[0][s_pos], out[1][p_pos]], rows, sampler))
+        held = heldout_order(*halves)
+    return _quotients(out, idx, sampler), singular_values(out[0], out[1]).float(), held
 
 
 def _sort_modes(model: PairModel, sv: torch.Tensor, sv_norm: torch.Tensor | None):
@@ -381,6 +378,7 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
     head_opt = head_sched = None
     for epoch in range(start, total):
         t0, losses = time.perf_counter(), []
+        last = epoch + 1 == total
         torch.manual_seed(cfg.seed * 1_000_003 + epoch)  # dropout/drop-connect: resumable
         view_gen.manual_seed(cfg.seed * 1_000_003 + epoch)
         drop_gen.manual_seed(cfg.seed * 1_000_003 + epoch + 500_009)  # its own stream
@@ -394,7 +392,7 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
                 for s, p in batches(epoch):
                     xs, ys = pick_views(s, p)
                     losses.append(step(xs, ys, opt, sched, ddp))
-            sv, sv_norm = _spectrum(model, cfg, feats, inputs, sampler)
+            sv, sv_norm, held = _spectrum(model, cfg, feats, inputs, sampler, heldout=last)
         else:
             if head_opt is None:  # entering (or resuming) the head-only phase
                 if finetune:
@@ -420,17 +418,16 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
             for s, p in batches(epoch):
                 xs, ys = pick_views(s, p)
                 losses.append(step(xs, ys, head_opt, head_sched, head_ddp))
-            sv, sv_norm = _spectrum(model, cfg, feats, None, sampler)
+            sv, sv_norm, held = _spectrum(model, cfg, feats, None, sampler, heldout=last)
         history.append({"epoch": epoch + 1, "loss": float(np.mean(losses)),
                         "lr": scheduler.get_last_lr()[0], "seconds": time.perf_counter() - t0,
                         "sigma_top": sv[: min(4, cfg.L)].tolist(),
                         "phase": "all" if epoch < cfg.epochs else "heads"})
-        if epoch + 1 == total:
+        if last:
             # the order as trained, and whether it holds on held-out halves; then (when
             # cfg.sort_modes) the coordinates in the estimated order
             history[-1]["spectrum_order_trained"] = spectrum_order(sv)
-            history[-1]["spectrum_order_heldout"] = _heldout(
-                model, cfg, feats, inputs if epoch < cfg.epochs else None, sampler)
+            history[-1]["spectrum_order_heldout"] = held
             if cfg.sort_modes:
                 sv, sv_norm, perm = _sort_modes(model, sv, sv_norm)
                 history[-1]["sorted_from"] = perm.tolist()  # coordinate l was mode perm[l]
@@ -438,7 +435,6 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
                  history[-1]["loss"], [round(v, 3) for v in history[-1]["sigma_top"]],
                  history[-1]["seconds"])
         if rank == 0:
-            last = epoch + 1 == total
             save_checkpoint(
                 ckpt_path, config=to_dict(cfg), backbone=backbone, image_size=cfg.image_size,
                 backbones=dict(model.backbones.items()) if bbs is not None
@@ -454,9 +450,9 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
         if finetune:
             inputs = inputs or _Inputs(cfg, data, backbone, splits, device)
             feats = {m: inputs.features(model, m) for m in MODALITIES}
-        sv, sv_norm = _spectrum(model, cfg, feats, None, sampler)
+        sv, sv_norm, _ = _spectrum(model, cfg, feats, None, sampler)
     model.eval()
-    last = history[-1] if history else {}
+    final = history[-1] if history else {}
     return TrainResult(dict(model.heads), dict(model.backbones.items()) if bbs is not None
                        else None, sv, history, sv_norm, raw,
-                       last.get("spectrum_order_trained"), last.get("spectrum_order_heldout"))
+                       final.get("spectrum_order_trained"), final.get("spectrum_order_heldout"))
