@@ -11,8 +11,9 @@
 Writes OUT/bench.json and OUT/errors_by_method.png and prints markdown tables.
 
 With --paper-step it only times the NeuralSVD-seq step (finite-difference Laplacian) at
-the paper architecture on 1 thread, batch 128 and 512, against the step it replaced (every
-stencil point differentiated, T f carrying its graph), the two interleaved in one process,
+the paper architecture on 1 thread, batch 128 and 512, in fp32 and with the bf16 stencil
+(--stencil-precision bf16), against the step it replaced (every stencil point
+differentiated, T f carrying its graph), the three interleaved in one process,
 next to the paper's published code timed on the same 2-core machine:
 
     python -m benchmarks.pde_bench --paper-step --steps 9
@@ -101,18 +102,23 @@ def _full_graph_hamiltonian(model, problem, x, eps):
     return out[0], lap + (problem.shift - problem.potential(x)).unsqueeze(-1) * out[0]
 
 
+STEPS = ("full graph", "this step", "this step, bf16")
+
+
 def paper_step(problem, batch_size: int, steps: int, warmup: int = 2,
-               only: str | None = None) -> dict:
-    """Median wall and CPU seconds per NeuralSVD-seq step (fd) of the full-graph step and
-    of the current one, on one model each, alternating which runs first (``only``: that
-    one of the two alone)."""
+               only: tuple[str, ...] = STEPS) -> dict:
+    """Median wall and CPU seconds per NeuralSVD-seq step (fd; the update and the EMA of
+    the parameters included, as in training and the paper's code) of the full-graph step, of
+    the current one and of the current one with the bf16 stencil (``--stencil-precision
+    bf16``), on one model each, in rotating order (``only``: those of ``STEPS``)."""
     config = preset("paper", problem, method="neuralsvd-seq", batch_size=batch_size)
     hamiltonians = {
         "full graph": lambda m, x: _full_graph_hamiltonian(m, problem, x, config.fd_eps),
         "this step": lambda m, x: negative_hamiltonian(m, problem, x, "fd", config.fd_eps),
+        "this step, bf16": lambda m, x: negative_hamiltonian(m, problem, x, "fd",
+                                                             config.fd_eps, "bf16"),
     }
-    if only is not None:
-        hamiltonians = {only: hamiltonians[only]}
+    hamiltonians = {k: hamiltonians[k] for k in only}
     runs = {}
     for name, hamiltonian in hamiltonians.items():
         model = build_model(config, problem)
@@ -121,10 +127,12 @@ def paper_step(problem, batch_size: int, steps: int, warmup: int = 2,
             hamiltonian=hamiltonian, model=model, params=params,
             method=make_method(config.method, model.n_modes, config),
             opt=torch.optim.RMSprop(params, lr=config.lr),
+            ema=[p.detach().clone() for p in params],
             gen=torch.Generator().manual_seed(0), wall=[], cpu=[],
         )
+    names = list(runs)
     for i in range(warmup + steps):
-        for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+        for name in names[i % len(names):] + names[:i % len(names)]:
             r = runs[name]
             wall, cpu = time.perf_counter(), time.process_time()
             x = problem.sample(batch_size, r["gen"], "cpu", torch.float32)
@@ -133,6 +141,8 @@ def paper_step(problem, batch_size: int, steps: int, warmup: int = 2,
             r["opt"].zero_grad(set_to_none=True)
             loss.backward()
             r["opt"].step()
+            with torch.no_grad():  # the parameters' average, kept by training as by the paper's code
+                torch._foreach_lerp_(r["ema"], r["params"], 1 - config.ema_decay)
             if i >= warmup:
                 r["wall"].append(time.perf_counter() - wall)
                 r["cpu"].append(time.process_time() - cpu)
@@ -177,28 +187,34 @@ def paper_code_step(code_dir: str, python: str, batch_size: int, iterations: int
 
 def _side_by_side_table(rows: list) -> None:
     print("\nSide by side, 1 thread (each round: the paper's code, then this project's "
-          "step; seconds per step)\n\n| batch | paper's code | this step | ratio |\n"
-          "|---|---|---|---|")
+          "steps; seconds per step; ratio: the paper's code / this step)\n\n"
+          "| batch | paper's code | this step (fp32) | ratio | this step, bf16 stencil | ratio |"
+          "\n|---|---|---|---|---|---|")
     for b in (128, 512):
         ref = [r["paper_code"][b] for r in rows]
-        own = [r["this step"][b] for r in rows]
-        ratios = [a / o for a, o in zip(ref, own, strict=True)]
-        print(f"| {b} | {min(ref):.3f}-{max(ref):.3f} | {min(own):.3f}-{max(own):.3f} | "
-              f"{min(ratios):.2f}-{max(ratios):.2f}x |")
+        cells = [f"{min(ref):.3f}-{max(ref):.3f}"]
+        for name in ("this step", "this step, bf16"):
+            own = [r[name][b] for r in rows]
+            ratios = [a / o for a, o in zip(ref, own, strict=True)]
+            cells += [f"{min(own):.3f}-{max(own):.3f}", f"{min(ratios):.2f}-{max(ratios):.2f}x"]
+        print(f"| {b} | " + " | ".join(cells) + " |")
 
 
 def _paper_step_table(rows: dict) -> None:
     print("\nNeuralSVD-seq step, fd Laplacian, paper architecture (hydrogen, L = 16, 3x128 "
-          "MLPs, K = 1024), 1 thread: median seconds per step, wall (CPU); the paper's code "
-          "was timed separately on the same machine\n"
-          "\n| batch | full graph (before) | this step | ratio wall (CPU) | paper's code | "
-          "target |\n|---|---|---|---|---|---|")
+          "MLPs, K = 1024), 1 thread: median seconds per step, wall (CPU); ratio: the full "
+          "graph's wall time over this one's; the paper's code was timed separately on the "
+          "same machine\n\n| batch | full graph (before) | this step | ratio | "
+          "this step, bf16 stencil | ratio | paper's code | target |\n"
+          "|---|---|---|---|---|---|---|---|")
     for b, r in rows.items():
-        old, new = r["full graph"], r["this step"]
+        old = r["full graph"]
         lo, hi = PAPER_CODE[b]
-        print(f"| {b} | {old['wall']:.3f} ({old['cpu']:.3f}) | {new['wall']:.3f} "
-              f"({new['cpu']:.3f}) | {old['wall'] / new['wall']:.2f}x "
-              f"({old['cpu'] / new['cpu']:.2f}x) | {lo:.2f}-{hi:.2f} | <= {TARGET[b]:.2f} |")
+        cells = [f"{old['wall']:.3f} ({old['cpu']:.3f})"]
+        for name in ("this step", "this step, bf16"):
+            new = r[name]
+            cells += [f"{new['wall']:.3f} ({new['cpu']:.3f})", f"{old['wall'] / new['wall']:.2f}x"]
+        print(f"| {b} | " + " | ".join(cells) + f" | {lo:.2f}-{hi:.2f} | <= {TARGET[b]:.2f} |")
 
 
 def main(argv=None):
@@ -234,15 +250,18 @@ def main(argv=None):
         torch.set_num_threads(1)
         rounds = []
         for r in range(args.rounds):
-            row = {"paper_code": {}, "this step": {}}
+            own = STEPS[1:]
+            row = {"paper_code": {}, **{name: {} for name in own}}
             for b in (128, 512):
                 row["paper_code"][b] = paper_code_step(
                     args.paper_code, args.paper_python, b, 30 if b == 128 else 20,
                     str(out / "paper-code-log"))
-                row["this step"][b] = paper_step(make_problem("hydrogen"), b, args.steps,
-                                                 only="this step")["this step"]["wall"]
+                times = paper_step(make_problem("hydrogen"), b, args.steps, only=own)
+                for name in own:
+                    row[name][b] = times[name]["wall"]
                 print(f"round {r + 1}, batch {b}: paper's code {row['paper_code'][b]:.3f} "
-                      f"s/step, this step {row['this step'][b]:.3f}", flush=True)
+                      f"s/step, " + ", ".join(f"{name} {row[name][b]:.3f}" for name in own),
+                      flush=True)
             rounds.append(row)
         (out / "paper_side_by_side.json").write_text(json.dumps(
             {"problem": "hydrogen", "threads": 1, "rounds": rounds}, indent=1))

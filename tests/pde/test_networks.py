@@ -105,6 +105,62 @@ def test_fd_stencil_equals_the_network_at_the_shifted_points(ndim):
         torch.testing.assert_close(g, r)
 
 
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_bf16_stencil_keeps_the_differences_the_laplacian_uses(ndim):
+    # The bf16 path rounds the first layer's feature products (centre, its weight gradient,
+    # and the shifts, computed as differences from the centre). Against float64: the
+    # centre and the parameter gradients within 1%, the first differences
+    # f(x +- eps e_i) - f(x) within 1% (a bf16 f(x + eps e_i) itself would lose them
+    # altogether), and the second differences, the Laplacian, no further off than fp32's
+    # own (its cancellation dominates; the odd products' rounding cancels between
+    # x + eps e_i and x - eps e_i).
+    gen = torch.Generator().manual_seed(3)
+    net = DisjointMLPs(5, ndim, 256, 0.2, 32, generator=gen)
+    x = 4 * torch.randn(64, ndim, generator=gen)
+    eps = 0.01
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    net.double()
+    c64, s64 = net.fd_stencil(x.double(), eps)
+    g64 = torch.autograd.grad(c64.square().sum(), list(net.parameters()))
+    net.float()
+    c32, s32 = net.fd_stencil(x, eps)
+    d64 = s64 - c64.detach()
+    second64 = d64[:ndim] + d64[ndim:]
+    for modes_per_product in (None, 2, 5):
+        cb, sb = net.fd_stencil(x, eps, modes_per_product, precision="bf16")
+        assert sb.dtype == cb.dtype == torch.float32 and not sb.requires_grad
+        assert rel(cb.detach(), c64.detach()) < 1e-2
+        db = sb - cb.detach()
+        assert rel(db, d64) < 1e-2
+        err = {name: rel(d[:ndim] + d[ndim:], second64)
+               for name, d in {"fp32": s32 - c32.detach(), "bf16": db}.items()}
+        assert err["bf16"] <= 1.5 * err["fp32"] + 1e-3, err
+        grads = torch.autograd.grad(cb.square().sum(), list(net.parameters()))
+        for g, r in zip(grads, g64, strict=True):
+            assert rel(g, r) < 1e-2
+    with pytest.raises(ValueError, match="precision"):
+        net.fd_stencil(x, eps, precision="fp16")
+    with pytest.raises(ValueError, match="float32"):
+        net.double().fd_stencil(x.double(), eps, precision="bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_stencil_on_cuda_keeps_the_differences():
+    gen = torch.Generator().manual_seed(4)
+    net = DisjointMLPs(16, 2, 1024, 0.1, 128, generator=gen)
+    x = 16 * torch.randn(128, 2, generator=gen)
+    c64, s64 = net.double().fd_stencil(x.double(), 0.01)
+    net.float().cuda()
+    cb, sb = net.fd_stencil(x.cuda(), 0.01, precision="bf16")
+    d64, db = s64 - c64.detach(), (sb - cb.detach()).double().cpu()
+    assert ((cb.detach().double().cpu() - c64.detach()).norm() / c64.norm()) < 1e-2
+    assert ((db - d64).norm() / d64.norm()) < 1e-2
+
+
 def test_softplus_equals_torch_with_first_and_second_derivatives():
     a = torch.cat([torch.linspace(-40, 40, 801), torch.randn(1000) * 5]).double()
     a.requires_grad_(True)

@@ -38,18 +38,34 @@ def test_each_method_runs_end_to_end_on_hydrogen(method, tmp_path):
     assert r["ritz_values"] == sorted(r["ritz_values"], reverse=True)
 
 
-def test_oscillator_in_3d_and_2d_with_the_exact_laplacian(tmp_path):
+def test_oscillator_in_3d_and_2d_with_the_exact_laplacian(tmp_path, capsys):
     main(["oscillator", "--ndim", "3", "--out", str(tmp_path / "d3"), "--eval-points", "2048",
-         *TINY])
+         "--ritz-samples", "4096", *TINY])
     m = json.loads((tmp_path / "d3" / "metrics.json").read_text())
     # L covers the zero level n = 3 (20 modes); the 10 positive ones are evaluated
     assert m["ndim"] == 3 and len(m["eigenvalues"]) == 20 and len(m["rel_errors"]) == 10
     assert len(m["eigenvalues_norm"]) == 20
+    # the nested Ritz modes: squared norms max(theta, 0), so 0 where the Ritz value is not
+    # positive (the surplus directions)
+    r = m["ritz"]
+    assert r["samples"] == 4096 and len(r["eigenvalues_norm"]) == len(r["ritz_values"])
+    for norm, theta in zip(r["eigenvalues_norm"], r["ritz_values"], strict=True):
+        assert norm == 0.0 if theta <= 0 else norm > 0
+    out = capsys.readouterr().out
+    assert out.count("largest surplus norm") == 2  # as trained and after the step
     main(["oscillator", "--laplacian", "exact", "--iterations", "2", "--out",
          str(tmp_path / "d2"), "--train-std", "3", *TINY[2:]])
     m = json.loads((tmp_path / "d2" / "metrics.json").read_text())
-    assert m["config"]["train_std"] == 3.0 and m["ritz"] is None  # the oscillator has none
+    assert m["config"]["train_std"] == 3.0 and m["ritz"] is None  # the paper preset has none
     assert len(m["eigenvalues"]) == 55 and len(m["rel_errors"]) == 28  # paper preset
+
+
+def test_bf16_stencil_trains_end_to_end(tmp_path):
+    assert main(["hydrogen", "--stencil-precision", "bf16", "--ritz-samples", "0", "--out",
+                 str(tmp_path), *TINY]) == 0
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["config"]["stencil_precision"] == "bf16" and m["iterations"] == 3
+    assert all(v == v for v in m["eigenvalues"])  # evaluated in float64, as always
 
 
 @pytest.mark.parametrize(
@@ -63,6 +79,9 @@ def test_oscillator_in_3d_and_2d_with_the_exact_laplacian(tmp_path):
         (["hydrogen", "--batch-size", "1"], "batch_size must be >= 2, got 1"),
         (["hydrogen", "--ritz-samples", "1"], "ritz_samples must be 0 (none) or >= 2"),
         (["hydrogen", "--ndim", "3"], "ndim=3"),
+        (["hydrogen", "--stencil-precision", "fp16"], "invalid choice: 'fp16'"),
+        (["hydrogen", "--stencil-precision", "bf16", "--laplacian", "exact"],
+         "stencil_precision 'bf16' applies to the fd Laplacian"),
         (["hydrogen", "--batch_size", "512"], "unrecognized arguments: --batch_size"),
         (["hydrogen", "--resume", "maybe"], "argument --resume: expected one of"),
         ([], "the following arguments are required: problem"),
@@ -86,7 +105,9 @@ def test_presets_and_overrides():
     assert paper.n_modes == 0  # the problem's L = 55
     osc = parse_args(["oscillator", "--preset", "cpu"])
     assert (osc.n_modes, osc.fourier_scale, osc.lr) == (0, 0.15, 2e-3)
-    assert (osc.batch_size, osc.iterations, osc.train_std) == (128, 9_000, 2.0)
+    assert (osc.batch_size, osc.iterations, osc.train_std) == (128, 18_000, 2.0)
+    assert osc.ritz_samples == cpu.ritz_samples == 65_536 and paper.ritz_samples == 0
+    assert osc.stencil_precision == paper.stencil_precision == "fp32"
     assert cpu.train_std == 0 and paper.train_std == 0  # the problem's: the paper's std
     # hydrogen's cpu preset adds a narrow component for the cusp; the paper samples one Gaussian
     assert (cpu.train_mix_std, cpu.train_mix_fraction) == (2.0, 0.25)

@@ -63,8 +63,10 @@ def test_resume_with_different_settings_is_an_error(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_trains_on_cuda_when_present(tmp_path):
-    model, info = train(_config(tmp_path, iterations=2, method="neuralsvd-seq"), progress=False)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_trains_on_cuda_when_present(tmp_path, precision):
+    model, info = train(_config(tmp_path, iterations=2, method="neuralsvd-seq",
+                                stencil_precision=precision), progress=False)
     assert info["device"].startswith("cuda")
     assert next(model.parameters()).device.type == "cpu"  # returned for evaluation
 

@@ -17,7 +17,8 @@ __all__ = ["LAPLACIANS", "fd_laplacian", "exact_laplacian", "negative_hamiltonia
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
 
-def fd_laplacian(fn: Fn, log_weight: Fn, x: torch.Tensor, eps: float = 0.01):
+def fd_laplacian(fn: Fn, log_weight: Fn, x: torch.Tensor, eps: float = 0.01,
+                 precision: str = "fp32"):
     """Central differences sum_i (f(x+eps e_i) + f(x-eps e_i) - 2 f(x)) / eps^2 of
     f = sqrt(w) fn, divided by sqrt(w(x)). fn: (N, D) -> (N, L); log_weight: (N, D) ->
     (N,); x: (B, D). Returns (fn(x), laplacian(f)(x) / sqrt(w(x))), both (B, L).
@@ -27,7 +28,8 @@ def fd_laplacian(fn: Fn, log_weight: Fn, x: torch.Tensor, eps: float = 0.01):
     backward pass runs through the B centres alone. fn may provide
     ``fd_stencil(x, eps) -> (fn(x), fn at x + eps e_i then x - eps e_i: (2D, B, L))``
     (``DisjointMLPs`` does, reusing the centres' Fourier features); otherwise it is
-    evaluated at the shifted points."""
+    evaluated at the shifted points. precision: passed to ``fd_stencil`` ("bf16": its
+    first-layer shift products in bfloat16); fn without one takes "fp32" only."""
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps!r}")
     B, D = x.shape
@@ -38,8 +40,10 @@ def fd_laplacian(fn: Fn, log_weight: Fn, x: torch.Tensor, eps: float = 0.01):
     pts = x.unsqueeze(0) + shifts.unsqueeze(1)  # (2D, B, D): +eps e_i, then -eps e_i
     stencil = getattr(fn, "fd_stencil", None)
     if stencil is not None:
-        centre, shifted = stencil(x, eps)
+        centre, shifted = stencil(x, eps, precision=precision)
     else:
+        if precision != "fp32":
+            raise ValueError(f"precision {precision!r} needs a model with fd_stencil")
         centre = fn(x)  # (B, L)
         with torch.no_grad():
             shifted = fn(pts.reshape(-1, D)).reshape(2 * D, B, -1)  # (2D, B, L)
@@ -75,11 +79,15 @@ def exact_laplacian(fn: Fn, log_weight: Fn, x: torch.Tensor, n_modes: int):
 LAPLACIANS = ("fd", "exact")
 
 
-def negative_hamiltonian(model, problem, x: torch.Tensor, laplacian: str = "fd", eps: float = 0.01):
+def negative_hamiltonian(model, problem, x: torch.Tensor, laplacian: str = "fd", eps: float = 0.01,
+                         precision: str = "fp32"):
     """(f~, (T f) / sqrt(w)) at x: (B, D), both (B, L), for T = laplacian - V + shift.
-    f~ keeps its autograd graph; T f is a constant (no graph): the methods use it so."""
+    f~ keeps its autograd graph; T f is a constant (no graph): the methods use it so.
+    precision: the finite-difference stencil's (``fd_laplacian``); "fp32" for "exact"."""
+    if laplacian != "fd" and precision != "fp32":
+        raise ValueError(f"precision {precision!r} applies to the fd Laplacian only")
     if laplacian == "fd":
-        ft, lap = fd_laplacian(model, problem.log_weight, x, eps)
+        ft, lap = fd_laplacian(model, problem.log_weight, x, eps, precision)
     elif laplacian == "exact":
         ft, lap = exact_laplacian(model, problem.log_weight, x, model.n_modes)
     else:

@@ -42,9 +42,11 @@ def normalize(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def rayleigh_quotients(f: torch.Tensor, Tf: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """<f_l, T f_l> / <f_l, f_l>: (N, L) twice -> (L,)."""
+    """<f_l, T f_l> / <f_l, f_l>: (N, L) twice -> (L,). A zero function (the surplus
+    modes after ``ritz.nested_modes``) has quotient 0, the eigenvalue its norm stores."""
     wf = w.unsqueeze(-1) * f
-    return (wf * Tf).sum(0) / (wf * f).sum(0)
+    norm = (wf * f).sum(0)
+    return torch.where(norm > 0, (wf * Tf).sum(0) / norm.clamp_min(1e-300), 0.0)
 
 
 def norm_eigenvalues(f: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -112,8 +114,11 @@ def subspace_distances(learned, truth, w, groups) -> torch.Tensor:
     for g in groups:
         a, b = learned[:, g], truth[:, g]
         gaa, gbb, gab = inner(a, a, w), inner(b, b, w), inner(a, b, w)
-        # tr(P Q) = tr(Gaa^-1 Gab Gbb^-1 Gba)
-        tr = torch.trace(torch.linalg.solve(gaa, gab) @ torch.linalg.solve(gbb, gab.T))
+        # tr(P Q) = tr(Gaa^+ Gab Gbb^-1 Gba); the pseudo-inverse projects onto the span of
+        # what is there when a learned function is zero (a nested Ritz mode of a negative
+        # Ritz value, see ``ritz.nested_modes``)
+        tr = torch.trace(torch.linalg.pinv(gaa, hermitian=True) @ gab
+                         @ torch.linalg.solve(gbb, gab.T))
         out.append(1 - tr / len(g))
     return torch.stack(out)
 

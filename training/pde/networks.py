@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["DisjointMLPs", "softplus"]
+__all__ = ["DisjointMLPs", "STENCIL_PRECISIONS", "softplus"]
 
 
 class _Softplus(torch.autograd.Function):
@@ -43,6 +43,15 @@ class _Softplus(torch.autograd.Function):
 def softplus(a: torch.Tensor) -> torch.Tensor:
     """Softplus, elementwise; twice differentiable, as F.softplus (tests/pde/test_networks.py)."""
     return _Softplus.apply(a)
+
+
+# On the CPU the stencil is evaluated a few modes at a time, a chunk's features staying in
+# cache: one mode per chunk at the paper's size (its 1 MB of features; two or four modes
+# measured 1-3% slower), but small networks need several, or the step is all per-operation
+# overhead (the oscillator's cpu preset, 55 modes of K = 64 at batch 128: 31.6 ms per step
+# one mode at a time, 16.1 ms with 8, 16.7 ms with all 55; two threads).
+CHUNK_BYTES = 1 << 20
+STENCIL_PRECISIONS = ("fp32", "bf16")
 
 
 class DisjointMLPs(nn.Module):
@@ -107,7 +116,8 @@ class DisjointMLPs(nn.Module):
         return out.squeeze(-1).T  # (N, n)
 
     def fd_stencil(
-        self, x: torch.Tensor, eps: float, modes_per_product: int | None = None
+        self, x: torch.Tensor, eps: float, modes_per_product: int | None = None,
+        precision: str = "fp32",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The network on the central-difference stencil of x: (B, D) -> (f~(x): (B, L)
         with its autograd graph, f~ at x + eps e_i for i < D then at x - eps e_i:
@@ -124,16 +134,42 @@ class DisjointMLPs(nn.Module):
         (B, 2K) features keeps that cost independent of the batch, and the trigonometric
         functions are evaluated at the B centres only.
 
-        modes_per_product: modes evaluated together at the shifted points; None: one on
-        the CPU (see below), all of them elsewhere (where each product is a kernel launch).
+        precision "bf16": the shifted points' first-layer products in bfloat16, as
+        differences from the centre's pre-activation a(x) (fp32, the one the gradient flows
+        through), which is computed first:
+
+            a(x +- eps e_i) = a(x) + [cos u, sin u] @ ((c_i - 1) * [W_c; W_s])
+                              +- ([cos u, sin u] @ (s_i * [W_s; -W_c]) + eps W_x,i),
+
+        c_i - 1 = -2 sin^2(v_i / 2) (no cancellation). Both products are small, O(eps^2)
+        and O(eps), and are needed only to their own relative precision, which bfloat16
+        rounding keeps at ~2^-9: the finite differences downstream (fp32, as in the "fp32"
+        path) see the shifts to 0.2-0.4%, where a bfloat16 a(x + eps e_i) itself would
+        have lost the O(eps^2) difference altogether. On a CPU with AMX the 2D products run
+        ~5x faster than in fp32 (benchmarks/pde_bench.py). The step's Laplacian, not its
+        gradient (which flows through the fp32 centre), carries the rounding; for the
+        accuracy it buys, see the README's operator section. Needs float32 parameters.
+
+        modes_per_product: modes evaluated together at the shifted points; None: on the
+        CPU as many as keep one chunk's features within ``CHUNK_BYTES`` (one mode at the
+        paper's K = 1024, batch 128; 15 of the oscillator's small ones), all of them
+        elsewhere (where each product is a kernel launch).
         """
         L, D, H = self.n_modes, self.ndim, self.w2.shape[-1]
         if x.dim() != 2 or x.shape[1] != D:
             raise ValueError(f"stencil centres must be (B, {D}), got {tuple(x.shape)}")
         if x.requires_grad:
             raise ValueError("fd_stencil differentiates the parameters only; x requires grad")
+        if precision not in STENCIL_PRECISIONS:
+            raise ValueError(f"precision must be one of {STENCIL_PRECISIONS}, got {precision!r}")
+        if precision == "bf16":
+            if x.dtype != torch.float32:
+                raise ValueError(f"the bf16 stencil is for float32 models, got {x.dtype}")
+            return self._fd_stencil_bf16(x, eps, modes_per_product)
         B, K = x.shape[0], self.freq.shape[-1]
-        m = modes_per_product or (1 if x.device.type == "cpu" else L)
+        m = modes_per_product or (
+            max(1, CHUNK_BYTES // (B * (2 * K + D) * x.element_size()))
+            if x.device.type == "cpu" else L)
         xl = x.unsqueeze(0).expand(L, -1, -1)  # (L, B, D)
         # In chunks of m modes, through to the output: on the CPU a chunk's features,
         # scaled weights and activations stay in cache, and no large temporary is allocated
@@ -164,3 +200,71 @@ class DisjointMLPs(nn.Module):
                 shifted[:, ls] = self._head(a.view(a.shape[0], 2 * D * B, H), ls)
         centre = self._head(torch.baddbmm(self.b1, h, self.w1))  # (B, L)
         return centre, shifted.view(2 * D, B, L)
+
+    def _fd_stencil_bf16(self, x: torch.Tensor, eps: float, modes_per_product: int | None):
+        """fd_stencil's precision "bf16" (see there)."""
+        L, D, H = self.n_modes, self.ndim, self.w2.shape[-1]
+        B, K = x.shape[0], self.freq.shape[-1]
+        m = modes_per_product or (
+            max(1, CHUNK_BYTES // (B * (2 * K + D) * x.element_size()))
+            if x.device.type == "cpu" else L)
+        xl = x.unsqueeze(0).expand(L, -1, -1)  # (L, B, D)
+        with torch.no_grad():
+            freq = self.freq.to(x.dtype)  # (L, D, K)
+            cm1 = -2 * torch.sin(0.5 * eps * freq) ** 2  # cos(v) - 1: (L, D, K)
+            s = torch.sin(eps * freq)
+            trig = x.new_empty(L, B, 2 * K, dtype=torch.bfloat16)  # [cos u, sin u], rounded
+            u = torch.bmm(xl, freq)  # (L, B, K), in fp32
+            torch.cos(u, out=trig[..., :K])
+            torch.sin(u, out=trig[..., K:])
+            w16 = self.w1[:, : 2 * K].detach().to(torch.bfloat16)  # (L, 2K, H)
+            cm1, s = cm1.to(torch.bfloat16), s.to(torch.bfloat16)
+        # the centres' pre-activation: the features' product in bf16, x W_x + b in fp32
+        a = _FirstLayerBf16.apply(trig, xl, self.w1, w16) + self.b1  # (L, B, H)
+        with torch.no_grad():
+            wx = self.w1.detach()[:, 2 * K :]  # (L, D, H)
+            a0 = a.detach()
+            shifted = x.new_empty(2 * D * B, L)
+            for lo in range(0, L, m):
+                ls = slice(lo, lo + m)
+                n = min(m, L - lo)
+                wc, ws = w16[ls, :K], w16[ls, K:]  # (n, K, H) each
+                # all 2D difference weights side by side, so one wide product serves them:
+                # (c_i - 1) [W_c; W_s] for the even parts, s_i [W_s; -W_c] for the odd
+                wd = torch.empty(n, 2 * K, 2 * D, H, dtype=torch.bfloat16, device=x.device)
+                for i in range(D):
+                    torch.mul(wc, cm1[ls, i, :, None], out=wd[:, :K, i])
+                    torch.mul(ws, cm1[ls, i, :, None], out=wd[:, K:, i])
+                    torch.mul(ws, s[ls, i, :, None], out=wd[:, :K, D + i])
+                    torch.mul(wc, -s[ls, i, :, None], out=wd[:, K:, D + i])
+                d = torch.bmm(trig[ls], wd.view(n, 2 * K, 2 * D * H)).view(n, B, 2 * D, H)
+                even = a0[ls].unsqueeze(1) + d[:, :, :D].transpose(1, 2)  # (n, D, B, H)
+                odd = d[:, :, D:].transpose(1, 2).float() + eps * wx[ls].unsqueeze(2)
+                pair = torch.stack([even + odd, even - odd], 1)  # (n, 2, D, B, H)
+                shifted[:, ls] = self._head(pair.reshape(n, 2 * D * B, H), ls)
+        return self._head(a), shifted.view(2 * D, B, L)
+
+
+class _FirstLayerBf16(torch.autograd.Function):
+    """[cos u, sin u] (L, B, 2K) in bfloat16 and x (L, B, D) against the first layer's
+    weights w1 (L, 2K + D, H), given also in bfloat16 (their first 2K rows, w16), -> (L, B, H) in fp32 (bias not included): the features'
+    product in bfloat16 (fp32 accumulation; ~5x fp32's rate on AMX), as is its part of the
+    weights' gradient, features^T @ grad; x's small product stays fp32. The inputs take no
+    gradient (fixed Fourier features; the stencil's x)."""
+
+    @staticmethod
+    def forward(ctx, trig: torch.Tensor, x: torch.Tensor, w1: torch.Tensor,
+                w16: torch.Tensor) -> torch.Tensor:
+        # w16: w1's first 2K rows in bfloat16, converted once by the caller, who needs them
+        ctx.save_for_backward(trig, x)
+        F = trig.shape[-1]
+        return torch.baddbmm(torch.bmm(trig, w16).float(), x, w1[:, F:])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        trig, x = ctx.saved_tensors
+        F = trig.shape[-1]
+        dw = grad.new_empty(grad.shape[0], F + x.shape[-1], grad.shape[-1])
+        dw[:, :F] = torch.bmm(trig.transpose(1, 2), grad.to(torch.bfloat16))
+        torch.bmm(x.transpose(1, 2), grad, out=dw[:, F:])
+        return None, None, dw, None

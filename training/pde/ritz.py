@@ -13,9 +13,14 @@ eigenfunction enters. The result is a fixed L x L matrix C: the refined function
 network's outputs times C, and since T is linear, T (f C) = (T f) C.
 
 Directions of the span with (relative) Gram eigenvalue below ``rcond`` are dropped: a mode
-that training left at norm ~0 carries no function to refine. So it suits problems whose L
-modes are all wanted (hydrogen); the oscillator's surplus modes, meant to stay at norm ~0,
-would be scaled up instead.
+that training left at norm ~0 carries no function to refine.
+
+``nested_modes`` then scales the combinations as NestedLoRA stores its modes: the optimum
+of the objective within the span keeps f c_k at squared norm theta_k where theta_k > 0 and
+at zero where theta_k <= 0. This is what makes the step apply to the oscillator, whose L
+exceeds its positive modes: the surplus directions, whose Ritz values are negative, come
+out at norm 0, and what training left of a positive level in a surplus mode (a quotient of
+~2 at norm 0.018 in one run) is merged back into that level.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 from training.pde.laplacian import negative_hamiltonian
 from training.pde.problems import Problem
 
-__all__ = ["ritz_rotation"]
+__all__ = ["ritz_rotation", "nested_modes"]
 
 
 @torch.no_grad()
@@ -57,3 +62,12 @@ def ritz_rotation(model, problem: Problem, n_samples: int, seed: int, laplacian:
     whiten = g_vec[:, keep] / g_val[keep].sqrt()  # (L, K): whiten^T G whiten = I
     theta, vec = torch.linalg.eigh(whiten.T @ A @ whiten)
     return theta.flip(0), whiten @ vec.flip(1)
+
+
+def nested_modes(theta: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
+    """The Ritz combinations C (L, K) scaled as NestedLoRA's optimum within their span:
+    column k times sqrt(max(theta_k, 0)), so that f C has squared norms max(theta, 0) and
+    the directions of negative (or zero) Ritz value are the zero function."""
+    if theta.shape != C.shape[1:]:
+        raise ValueError(f"theta {tuple(theta.shape)} does not match C {tuple(C.shape)}")
+    return C * theta.clamp(min=0).sqrt()

@@ -12,7 +12,7 @@ from training.files import atomic_write_text
 from training.pde import plots
 from training.pde.config import Config, problem_of
 from training.pde.evaluate import aligned_on_grid, evaluate
-from training.pde.ritz import ritz_rotation
+from training.pde.ritz import nested_modes, ritz_rotation
 from training.pde.train import train
 
 __all__ = ["run"]
@@ -28,8 +28,9 @@ def run(config: Config, progress: bool = True) -> dict:
     ritz = values = None
     if config.ritz_samples:
         # its own stream of samples, apart from training's
-        values, ritz = ritz_rotation(model, problem, config.ritz_samples, config.seed + 7919,
-                                     config.laplacian, config.fd_eps)
+        values, C = ritz_rotation(model, problem, config.ritz_samples, config.seed + 7919,
+                                  config.laplacian, config.fd_eps)
+        ritz = nested_modes(values, C)
     result = evaluate(model, problem, config.laplacian, config.fd_eps, config.eval_points,
                       ritz)
     m = result["metrics"]

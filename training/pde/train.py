@@ -73,7 +73,8 @@ def train(config: Config, progress: bool = True) -> tuple[DisjointMLPs, dict]:
         optimizer.load_state_dict(ckpt["optimizer"])
         schedule.load_state_dict(ckpt["schedule"])
         method.load_state_dict(ckpt["method"])
-        gen.set_state(ckpt["generator"])
+        # the sampler's generator lives on the CPU; map_location moved its state along
+        gen.set_state(ckpt["generator"].cpu())
         step, seconds = ckpt["step"], ckpt["seconds"]
         running = torch.as_tensor(ckpt["eigenvalues_estimate"], dtype=torch.float64)
         log.info("resumed %s at step %d", ckpt_path, step)
@@ -87,7 +88,8 @@ def train(config: Config, progress: bool = True) -> tuple[DisjointMLPs, dict]:
     start = time.perf_counter() - seconds
     while step < T:
         x = problem.sample(batch_size_at(config, step), gen, device, torch.float32)
-        ft, Tft = negative_hamiltonian(model, problem, x, config.laplacian, config.fd_eps)
+        ft, Tft = negative_hamiltonian(model, problem, x, config.laplacian, config.fd_eps,
+                                       config.stencil_precision)
         loss, eigs = method(ft, Tft, params)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss {loss.item()} at step {step}")
