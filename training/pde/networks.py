@@ -162,14 +162,14 @@ class DisjointMLPs(nn.Module):
             raise ValueError("fd_stencil differentiates the parameters only; x requires grad")
         if precision not in STENCIL_PRECISIONS:
             raise ValueError(f"precision must be one of {STENCIL_PRECISIONS}, got {precision!r}")
-        if precision == "bf16":
-            if x.dtype != torch.float32:
-                raise ValueError(f"the bf16 stencil is for float32 models, got {x.dtype}")
-            return self._fd_stencil_bf16(x, eps, modes_per_product)
         B, K = x.shape[0], self.freq.shape[-1]
         m = modes_per_product or (
             max(1, CHUNK_BYTES // (B * (2 * K + D) * x.element_size()))
             if x.device.type == "cpu" else L)
+        if precision == "bf16":
+            if x.dtype != torch.float32:
+                raise ValueError(f"the bf16 stencil is for float32 models, got {x.dtype}")
+            return self._fd_stencil_bf16(x, eps, m)
         xl = x.unsqueeze(0).expand(L, -1, -1)  # (L, B, D)
         # In chunks of m modes, through to the output: on the CPU a chunk's features,
         # scaled weights and activations stay in cache, and no large temporary is allocated
@@ -201,13 +201,10 @@ class DisjointMLPs(nn.Module):
         centre = self._head(torch.baddbmm(self.b1, h, self.w1))  # (B, L)
         return centre, shifted.view(2 * D, B, L)
 
-    def _fd_stencil_bf16(self, x: torch.Tensor, eps: float, modes_per_product: int | None):
-        """fd_stencil's precision "bf16" (see there)."""
+    def _fd_stencil_bf16(self, x: torch.Tensor, eps: float, m: int):
+        """fd_stencil's precision "bf16" (see there), in chunks of m modes."""
         L, D, H = self.n_modes, self.ndim, self.w2.shape[-1]
         B, K = x.shape[0], self.freq.shape[-1]
-        m = modes_per_product or (
-            max(1, CHUNK_BYTES // (B * (2 * K + D) * x.element_size()))
-            if x.device.type == "cpu" else L)
         xl = x.unsqueeze(0).expand(L, -1, -1)  # (L, B, D)
         with torch.no_grad():
             freq = self.freq.to(x.dtype)  # (L, D, K)
