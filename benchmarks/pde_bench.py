@@ -141,7 +141,7 @@ def paper_step(problem, batch_size: int, steps: int, warmup: int = 2,
             r["opt"].zero_grad(set_to_none=True)
             loss.backward()
             r["opt"].step()
-            with torch.no_grad():  # the parameters' average, kept by training as by the paper's code
+            with torch.no_grad():  # the parameters' EMA, kept by training and the paper's code
                 torch._foreach_lerp_(r["ema"], r["params"], 1 - config.ema_decay)
             if i >= warmup:
                 r["wall"].append(time.perf_counter() - wall)

@@ -244,10 +244,11 @@ class DisjointMLPs(nn.Module):
 
 class _FirstLayerBf16(torch.autograd.Function):
     """[cos u, sin u] (L, B, 2K) in bfloat16 and x (L, B, D) against the first layer's
-    weights w1 (L, 2K + D, H), given also in bfloat16 (their first 2K rows, w16), -> (L, B, H) in fp32 (bias not included): the features'
-    product in bfloat16 (fp32 accumulation; ~5x fp32's rate on AMX), as is its part of the
-    weights' gradient, features^T @ grad; x's small product stays fp32. The inputs take no
-    gradient (fixed Fourier features; the stencil's x)."""
+    weights w1 (L, 2K + D, H), whose first 2K rows are also given in bfloat16 (w16):
+    -> (L, B, H) in fp32, bias not included. The features' product runs in bfloat16 (fp32
+    accumulation; ~5x fp32's rate on AMX), as does its part of the weights' gradient,
+    features^T @ grad; x's small product stays fp32. The inputs take no gradient (fixed
+    Fourier features; the stencil's x)."""
 
     @staticmethod
     def forward(ctx, trig: torch.Tensor, x: torch.Tensor, w1: torch.Tensor,
