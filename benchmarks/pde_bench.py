@@ -11,10 +11,11 @@
 Writes OUT/bench.json and OUT/errors_by_method.png and prints markdown tables.
 
 With --paper-step it only times the NeuralSVD-seq step (finite-difference Laplacian) at
-the paper architecture on 1 thread, batch 128 and 512, in fp32 and with the bf16 stencil
-(--stencil-precision bf16), against the step it replaced (every stencil point
-differentiated, T f carrying its graph), the three interleaved in one process,
-next to the paper's published code timed on the same 2-core machine:
+the paper architecture on 1 thread, batch 128 and 512, in fp32, with the bf16 stencil
+(--stencil-precision bf16) and with it and the fused update (--fused-update true), against
+the step it replaced (every stencil point differentiated, T f carrying its graph), all
+interleaved in one process, next to the paper's published code timed on the same 2-core
+machine:
 
     python -m benchmarks.pde_bench --paper-step --steps 9
 
@@ -52,6 +53,7 @@ from training.pde.laplacian import negative_hamiltonian
 from training.pde.methods import make_method
 from training.pde.problems import make_problem
 from training.pde.run import run
+from training.pde.update import FusedUpdate
 
 METHODS = ["neuralsvd-seq", "neuralsvd-jnt", "neuralef", "spin"]
 # The paper's published code, same problem and architecture (NeuralSVD-seq, fd), seconds
@@ -102,7 +104,8 @@ def _full_graph_hamiltonian(model, problem, x, eps):
     return out[0], lap + (problem.shift - problem.potential(x)).unsqueeze(-1) * out[0]
 
 
-STEPS = ("full graph", "this step", "this step, bf16")
+STEPS = ("full graph", "this step", "this step, bf16", "this step, bf16, fused update")
+FUSED = {"this step, bf16, fused update"}  # these run training.pde.update.FusedUpdate
 
 
 def paper_step(problem, batch_size: int, steps: int, warmup: int = 2,
@@ -118,6 +121,7 @@ def paper_step(problem, batch_size: int, steps: int, warmup: int = 2,
         "this step, bf16": lambda m, x: negative_hamiltonian(m, problem, x, "fd",
                                                              config.fd_eps, "bf16"),
     }
+    hamiltonians["this step, bf16, fused update"] = hamiltonians["this step, bf16"]
     hamiltonians = {k: hamiltonians[k] for k in only}
     runs = {}
     for name, hamiltonian in hamiltonians.items():
@@ -130,6 +134,9 @@ def paper_step(problem, batch_size: int, steps: int, warmup: int = 2,
             ema=[p.detach().clone() for p in params],
             gen=torch.Generator().manual_seed(0), wall=[], cpu=[],
         )
+        if name in FUSED:  # compiled here, before the timed steps
+            runs[name]["fused"] = FusedUpdate(runs[name]["opt"], runs[name]["ema"],
+                                              config.ema_decay)
     names = list(runs)
     for i in range(warmup + steps):
         for name in names[i % len(names):] + names[:i % len(names)]:
@@ -140,9 +147,12 @@ def paper_step(problem, batch_size: int, steps: int, warmup: int = 2,
             loss, _ = r["method"](ft, Tft, r["params"])
             r["opt"].zero_grad(set_to_none=True)
             loss.backward()
-            r["opt"].step()
-            with torch.no_grad():  # the parameters' EMA, kept by training and the paper's code
-                torch._foreach_lerp_(r["ema"], r["params"], 1 - config.ema_decay)
+            if "fused" in r:
+                r["fused"].step()
+            else:
+                r["opt"].step()
+                with torch.no_grad():  # the parameters' EMA, kept by training and the paper's code
+                    torch._foreach_lerp_(r["ema"], r["params"], 1 - config.ema_decay)
             if i >= warmup:
                 r["wall"].append(time.perf_counter() - wall)
                 r["cpu"].append(time.process_time() - cpu)
@@ -188,12 +198,12 @@ def paper_code_step(code_dir: str, python: str, batch_size: int, iterations: int
 def _side_by_side_table(rows: list) -> None:
     print("\nSide by side, 1 thread (each round: the paper's code, then this project's "
           "steps; seconds per step; ratio: the paper's code / this step)\n\n"
-          "| batch | paper's code | this step (fp32) | ratio | this step, bf16 stencil | ratio |"
-          "\n|---|---|---|---|---|---|")
+          "| batch | paper's code | this step (fp32) | ratio | bf16 stencil | ratio | "
+          "bf16 stencil, fused update | ratio |\n|---|---|---|---|---|---|---|---|")
     for b in (128, 512):
         ref = [r["paper_code"][b] for r in rows]
         cells = [f"{min(ref):.3f}-{max(ref):.3f}"]
-        for name in ("this step", "this step, bf16"):
+        for name in STEPS[1:]:
             own = [r[name][b] for r in rows]
             ratios = [a / o for a, o in zip(ref, own, strict=True)]
             cells += [f"{min(own):.3f}-{max(own):.3f}", f"{min(ratios):.2f}-{max(ratios):.2f}x"]
@@ -205,13 +215,13 @@ def _paper_step_table(rows: dict) -> None:
           "MLPs, K = 1024), 1 thread: median seconds per step, wall (CPU); ratio: the full "
           "graph's wall time over this one's; the paper's code was timed separately on the "
           "same machine\n\n| batch | full graph (before) | this step | ratio | "
-          "this step, bf16 stencil | ratio | paper's code | target |\n"
-          "|---|---|---|---|---|---|---|---|")
+          "bf16 stencil | ratio | bf16 stencil, fused update | ratio | paper's code | "
+          "target |\n|---|---|---|---|---|---|---|---|---|---|")
     for b, r in rows.items():
         old = r["full graph"]
         lo, hi = PAPER_CODE[b]
         cells = [f"{old['wall']:.3f} ({old['cpu']:.3f})"]
-        for name in ("this step", "this step, bf16"):
+        for name in STEPS[1:]:
             new = r[name]
             cells += [f"{new['wall']:.3f} ({new['cpu']:.3f})", f"{old['wall'] / new['wall']:.2f}x"]
         print(f"| {b} | " + " | ".join(cells) + f" | {lo:.2f}-{hi:.2f} | <= {TARGET[b]:.2f} |")

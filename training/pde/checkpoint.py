@@ -27,9 +27,10 @@ __all__ = ["CHECKPOINT", "build_model", "save_checkpoint", "load_checkpoint",
            "load_train_state", "check_resumable"]
 
 CHECKPOINT = "checkpoint.pt"
-# settings that may differ between a run and its resumption
+# settings that may differ between a run and its resumption (fused_update: the same update
+# to float rounding, for resuming where no compiler is at hand)
 RESUMABLE = frozenset({"resume", "threads", "device", "out", "checkpoint_every", "eval_points",
-                       "ritz_samples"})
+                       "ritz_samples", "fused_update"})
 
 
 def build_model(config: Config, problem: Problem) -> DisjointMLPs:

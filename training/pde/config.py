@@ -40,6 +40,9 @@ class Config:
     # training steps' finite-difference stencil: "fp32", or "bf16" for its first-layer shift
     # products (networks.DisjointMLPs.fd_stencil; ~5x faster products on a CPU with AMX)
     stencil_precision: str = "fp32"
+    # RMSprop and the EMA in one compiled pass per tensor (training.pde.update; CPU only,
+    # torch.compile, a C++ compiler the first time); the same update to float rounding
+    fused_update: bool = False
     ema_decay: float = 0.995  # EMA of the parameters, used for evaluation
     spin_decay: float = 0.99  # SpIN's moving averages of Sigma and the Jacobian
     eval_points: int = 0  # 0: the problem's quadrature default

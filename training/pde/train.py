@@ -24,6 +24,7 @@ from training.pde.config import Config, batch_size_at, problem_of
 from training.pde.laplacian import negative_hamiltonian
 from training.pde.methods import make_method
 from training.pde.networks import DisjointMLPs
+from training.pde.update import FusedUpdate
 
 __all__ = ["train", "make_schedule"]
 
@@ -62,6 +63,11 @@ def train(config: Config, progress: bool = True) -> tuple[DisjointMLPs, dict]:
     optimizer = torch.optim.RMSprop(params, lr=config.lr)
     T = config.iterations
     schedule = make_schedule(optimizer, T, config.lr_floor)
+    fused = None
+    if config.fused_update and device.type != "cpu":
+        log.warning("--fused-update is for the CPU; %s uses torch's RMSprop and EMA", device)
+    elif config.fused_update:
+        fused = FusedUpdate(optimizer, ema.parameters(), config.ema_decay)
     gen = torch.Generator().manual_seed(config.seed + 1)
     step, seconds, running = 0, 0.0, torch.zeros(L, dtype=torch.float64)
 
@@ -95,11 +101,14 @@ def train(config: Config, progress: bool = True) -> tuple[DisjointMLPs, dict]:
             raise FloatingPointError(f"non-finite loss {loss.item()} at step {step}")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        optimizer.step()
+        if fused is not None:
+            fused.step()  # the update and the EMA in one pass
+        else:
+            optimizer.step()
+            with torch.no_grad():
+                for pe, p in zip(ema.parameters(), params, strict=True):
+                    pe.lerp_(p, 1 - config.ema_decay)
         schedule.step()
-        with torch.no_grad():
-            for pe, p in zip(ema.parameters(), params, strict=True):
-                pe.lerp_(p, 1 - config.ema_decay)
         step += 1
         e = eigs.detach().double().cpu()  # (L,), smoothed for display
         running = e if step == 1 else 0.95 * running + 0.05 * e
