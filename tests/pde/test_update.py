@@ -75,3 +75,28 @@ def test_training_with_the_fused_update_matches_the_plain_one(tmp_path):
     plain, fused = run(False), run(True)
     for a, b in zip(plain.parameters(), fused.parameters(), strict=True):
         assert (b - a).norm() <= 1e-4 * a.norm()
+
+
+def test_without_a_compiler_the_update_runs_uncompiled(monkeypatch, caplog):
+    def broken(fn, **kw):
+        def fail(*a, **k):
+            raise RuntimeError("no C++ compiler")
+        return fail
+
+    monkeypatch.setattr(torch, "compile", broken)
+    ps, qs = _pair(2)
+    ref_opt, opt = torch.optim.RMSprop(ps, lr=1e-3), torch.optim.RMSprop(qs, lr=1e-3)
+    ref_ema, ema = [p.detach().clone() for p in ps], [q.detach().clone() for q in qs]
+    fused = FusedUpdate(opt, ema, ema_decay=0.99)
+    assert "torch.compile failed (RuntimeError: no C++ compiler)" in caplog.text
+    for p, q in zip(ps, qs, strict=True):
+        p.grad = torch.ones_like(p)
+        q.grad = torch.ones_like(q)
+    ref_opt.step()
+    with torch.no_grad():
+        for e, p in zip(ref_ema, ps, strict=True):
+            e.lerp_(p, 0.01)
+    fused.step()
+    for p, q, e, f in zip(ps, qs, ref_ema, ema, strict=True):
+        torch.testing.assert_close(q, p)
+        torch.testing.assert_close(f, e)

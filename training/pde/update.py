@@ -8,7 +8,8 @@ five passes over its tensors and the EMA a sixth, ~290 MB per step, 11 ms of a 5
 at batch 128 on one thread here; fused, each tensor is read and written once (3.5 ms).
 The state stays ``torch.optim.RMSprop``'s (``square_avg`` and ``step`` per parameter, the
 learning rate from its param group, which the schedule sets), so checkpoints are the same
-either way. Needs a C++ compiler the first time (inductor; seconds, cached on disk after).
+either way. Needs a C++ compiler the first time (inductor; seconds, cached on disk after);
+without one it warns and runs the same arithmetic uncompiled.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ class FusedUpdate:
         self.alpha, self.eps, self.ema_weight = group["alpha"], group["eps"], 1 - ema_decay
         self._lr = torch.zeros((), dtype=torch.float64)  # a tensor: lr changes every step
         self._fn = torch.compile(_rmsprop_ema, fullgraph=True)
+        try:  # compile now (on two elements), so that a missing compiler shows here
+            t = [torch.zeros(2) for _ in range(4)]
+            self._fn(*t, torch.zeros(()), self.alpha, self.eps, self.ema_weight)
+        except Exception as e:  # noqa: BLE001 (inductor's errors have no common type)
+            log.warning("--fused-update: torch.compile failed (%s: %s); the same update runs "
+                        "uncompiled, in several passes", type(e).__name__, str(e)[:200])
+            self._fn = _rmsprop_ema
 
     @torch.no_grad()
     def step(self) -> None:
