@@ -112,8 +112,9 @@ def paper_step(problem, batch_size: int, steps: int, warmup: int = 2,
                only: tuple[str, ...] = STEPS) -> dict:
     """Median wall and CPU seconds per NeuralSVD-seq step (fd; the update and the EMA of
     the parameters included, as in training and the paper's code) of the full-graph step, of
-    the current one and of the current one with the bf16 stencil (``--stencil-precision
-    bf16``), on one model each, in rotating order (``only``: those of ``STEPS``)."""
+    the current one, of it with the bf16 stencil (``--stencil-precision bf16``) and of that
+    with the fused update (``--fused-update true``), on one model each, in rotating order
+    (``only``: those of ``STEPS``)."""
     config = preset("paper", problem, method="neuralsvd-seq", batch_size=batch_size)
     hamiltonians = {
         "full graph": lambda m, x: _full_graph_hamiltonian(m, problem, x, config.fd_eps),
@@ -258,9 +259,8 @@ def main(argv=None):
         parser.error("--paper-code needs --paper-step and --paper-python")
     if args.paper_code:
         torch.set_num_threads(1)
-        rounds = []
+        rounds, own = [], STEPS[1:]
         for r in range(args.rounds):
-            own = STEPS[1:]
             row = {"paper_code": {}, **{name: {} for name in own}}
             for b in (128, 512):
                 row["paper_code"][b] = paper_code_step(

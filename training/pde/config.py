@@ -37,8 +37,8 @@ class Config:
     hidden: int = 128
     laplacian: str = "fd"  # "fd" (central differences) or "exact" (autograd)
     fd_eps: float = 0.01
-    # training steps' finite-difference stencil: "fp32", or "bf16" for its first-layer shift
-    # products (networks.DisjointMLPs.fd_stencil; ~5x faster products on a CPU with AMX)
+    # training steps' finite-difference stencil: "fp32", or "bf16" for its first layer's
+    # feature products (networks.DisjointMLPs.fd_stencil; ~5x faster on a CPU with AMX)
     stencil_precision: str = "fp32"
     # RMSprop and the EMA in one compiled pass per tensor (training.pde.update; CPU only,
     # torch.compile, a C++ compiler the first time); the same update to float rounding

@@ -29,7 +29,7 @@ def fd_laplacian(fn: Fn, log_weight: Fn, x: torch.Tensor, eps: float = 0.01,
     ``fd_stencil(x, eps) -> (fn(x), fn at x + eps e_i then x - eps e_i: (2D, B, L))``
     (``DisjointMLPs`` does, reusing the centres' Fourier features); otherwise it is
     evaluated at the shifted points. precision: passed to ``fd_stencil`` ("bf16": its
-    first-layer shift products in bfloat16); fn without one takes "fp32" only."""
+    first layer's feature products in bfloat16); fn without one takes "fp32" only."""
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps!r}")
     B, D = x.shape

@@ -134,9 +134,9 @@ class DisjointMLPs(nn.Module):
         (B, 2K) features keeps that cost independent of the batch, and the trigonometric
         functions are evaluated at the B centres only.
 
-        precision "bf16": the shifted points' first-layer products in bfloat16, as
-        differences from the centre's pre-activation a(x) (fp32, the one the gradient flows
-        through), which is computed first:
+        precision "bf16": the first layer's Fourier-feature products in bfloat16 (fp32
+        accumulation): the centres' pre-activation a(x), its weights' gradient, and the
+        shifted points' products, formed as differences from a(x):
 
             a(x +- eps e_i) = a(x) + [cos u, sin u] @ ((c_i - 1) * [W_c; W_s])
                               +- ([cos u, sin u] @ (s_i * [W_s; -W_c]) + eps W_x,i),
@@ -145,10 +145,11 @@ class DisjointMLPs(nn.Module):
         and O(eps), and are needed only to their own relative precision, which bfloat16
         rounding keeps at ~2^-9: the finite differences downstream (fp32, as in the "fp32"
         path) see the shifts to 0.2-0.4%, where a bfloat16 a(x + eps e_i) itself would
-        have lost the O(eps^2) difference altogether. On a CPU with AMX the 2D products run
-        ~5x faster than in fp32 (benchmarks/pde_bench.py). The step's Laplacian, not its
-        gradient (which flows through the fp32 centre), carries the rounding; for the
-        accuracy it buys, see the README's operator section. Needs float32 parameters.
+        have lost the O(eps^2) difference altogether. On a CPU with AMX these products run
+        ~5x faster than in fp32 (benchmarks/pde_bench.py). Everything after the first layer
+        stays fp32; the centre's rounding (~2^-9, as in mixed-precision training) enters
+        f~ and the gradient alike. For the accuracy it costs, see the README's operator
+        section. Needs float32 parameters.
 
         modes_per_product: modes evaluated together at the shifted points; None: on the
         CPU as many as keep one chunk's features within ``CHUNK_BYTES`` (one mode at the
@@ -209,13 +210,13 @@ class DisjointMLPs(nn.Module):
         with torch.no_grad():
             freq = self.freq.to(x.dtype)  # (L, D, K)
             cm1 = -2 * torch.sin(0.5 * eps * freq) ** 2  # cos(v) - 1: (L, D, K)
-            s = torch.sin(eps * freq)
+            s = torch.sin(eps * freq)  # (L, D, K)
             trig = x.new_empty(L, B, 2 * K, dtype=torch.bfloat16)  # [cos u, sin u], rounded
             u = torch.bmm(xl, freq)  # (L, B, K), in fp32
             torch.cos(u, out=trig[..., :K])
             torch.sin(u, out=trig[..., K:])
             w16 = self.w1[:, : 2 * K].detach().to(torch.bfloat16)  # (L, 2K, H)
-            cm1, s = cm1.to(torch.bfloat16), s.to(torch.bfloat16)
+            cm1, s, neg_s = (v.to(torch.bfloat16) for v in (cm1, s, -s))
         # the centres' pre-activation: the features' product in bf16, x W_x + b in fp32
         a = _FirstLayerBf16.apply(trig, xl, self.w1, w16) + self.b1  # (L, B, H)
         with torch.no_grad():
@@ -233,7 +234,7 @@ class DisjointMLPs(nn.Module):
                     torch.mul(wc, cm1[ls, i, :, None], out=wd[:, :K, i])
                     torch.mul(ws, cm1[ls, i, :, None], out=wd[:, K:, i])
                     torch.mul(ws, s[ls, i, :, None], out=wd[:, :K, D + i])
-                    torch.mul(wc, -s[ls, i, :, None], out=wd[:, K:, D + i])
+                    torch.mul(wc, neg_s[ls, i, :, None], out=wd[:, K:, D + i])
                 d = torch.bmm(trig[ls], wd.view(n, 2 * K, 2 * D * H)).view(n, B, 2 * D, H)
                 even = a0[ls].unsqueeze(1) + d[:, :, :D].transpose(1, 2)  # (n, D, B, H)
                 odd = d[:, :, D:].transpose(1, 2).float() + eps * wx[ls].unsqueeze(2)

@@ -46,11 +46,13 @@ class FusedUpdate:
         if len(self.ema) != len(self.params):
             raise ValueError("ema_params must match the optimizer's parameters one to one")
         self.alpha, self.eps, self.ema_weight = group["alpha"], group["eps"], 1 - ema_decay
-        self._lr = torch.zeros((), dtype=torch.float64)  # a tensor: lr changes every step
+        # a tensor, as lr changes every step (a float would be compiled in); float64, as
+        # torch's RMSprop takes it, cast to the parameters' dtype by type promotion
+        self._lr = torch.zeros((), dtype=torch.float64)
         self._fn = torch.compile(_rmsprop_ema, fullgraph=True)
         try:  # compile now (on two elements), so that a missing compiler shows here
             t = [torch.zeros(2) for _ in range(4)]
-            self._fn(*t, torch.zeros(()), self.alpha, self.eps, self.ema_weight)
+            self._fn(*t, self._lr, self.alpha, self.eps, self.ema_weight)
         except Exception as e:  # noqa: BLE001 (inductor's errors have no common type)
             log.warning("--fused-update: torch.compile failed (%s: %s); the same update runs "
                         "uncompiled, in several passes", type(e).__name__, str(e)[:200])
@@ -69,4 +71,4 @@ class FusedUpdate:
                 state["square_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
             self._fn(p.view(-1), p.grad.view(-1), state["square_avg"].view(-1), e.view(-1),
-                     self._lr.to(p.dtype), self.alpha, self.eps, self.ema_weight)
+                     self._lr, self.alpha, self.eps, self.ema_weight)
