@@ -3,8 +3,15 @@ see (mirror-averaged features, generalised-mean instead of average pooling, thic
 strokes, the last block's pooled output beside the final features, mirrored views as
 training augmentation), dropout of the heads' input features, the joint-nesting
 weights, embeddings scaled to unit length before retrieval, and the gallery smoothing
-grid; and whether sorting the learned modes by their estimated singular values makes
-better prefixes.
+grid; whether sorting the learned modes by their estimated singular values makes
+better prefixes; and a kernel that pairs each sketch now and then with a photo of a
+similar class, so that its spectrum falls and the leading modes are the coarse ones.
+
+``--folds N`` cross-validates over classes instead of using the split's validation
+classes: the split's non-test classes cut in N folds (training.cdk.splits.class_folds),
+each fold held out in turn while the heads train on the others. On split 2, 5 folds hold
+20-21 classes each, as many as its test set: what the d = 16 share of the test classes is
+compared with (10 validation classes are separated by fewer modes).
 
 Backbone features of every image are computed once (plain and mirrored, average- and
 GeM-pooled, with forward hooks for the last block) and kept in OUT/features.pt; each variant
@@ -14,6 +21,7 @@ reports.
 
     python -m benchmarks.cdk_levers_bench --data ../shared/data/sketchy-mini \\
         --out runs/cdk-levers-bench --seeds 0 1
+    python -m benchmarks.cdk_levers_bench --variants preset --folds 5
 """
 
 from __future__ import annotations
@@ -33,11 +41,11 @@ import training.cdk.train as train_mod
 from training.allocator import tune_allocator
 from training.cdk.backbones import NATIVE_SIZE, Backbone, build_backbone, global_pool
 from training.cdk.config import Config
-from training.cdk.data import scan
+from training.cdk.data import PairSampler, scan
 from training.cdk.metrics import retrieval_metrics, smoothed_metrics, spectrum_order
 from training.cdk.run import embed_features, retrieval_embeddings
 from training.cdk.smoothing import Smoothing, smooth
-from training.cdk.splits import split_classes
+from training.cdk.splits import class_folds, split_classes
 from training.cdk.train import TrainData
 from training.images import images_to_tensor, load_image
 
@@ -46,8 +54,21 @@ from training.images import images_to_tensor, load_image
 # heads' input dropout; 0 where absent, as the preset had it when those rows were measured),
 # unit (embeddings scaled to unit length before retrieval, model.embedding; off
 # where absent), raw (raw coordinates appended after the modes: (dims, weight),
-# model.fit_raw_projections on the training features; none where absent).
+# model.fit_raw_projections on the training features; none where absent), mix (the
+# similar-class pairing: (alpha, tau), SimilarClassSampler), power (nesting weights
+# 1/l^power), config (other Config fields).
+PRESET = {"flip": "photo", "dropout": 0.3, "unit": True, "raw": (256, 1.0)}
 VARIANTS = {
+    "preset": ("sketch", ["gem"], PRESET),
+    "preset, similar-class pairing 0.3": ("sketch", ["gem"], {**PRESET, "mix": (0.3, 0.1)}),
+    "preset, similar-class pairing 0.1": ("sketch", ["gem"], {**PRESET, "mix": (0.1, 0.1)}),
+    "preset, nesting weights 1/l^2": ("sketch", ["gem"], {**PRESET, "power": 2}),
+    "preset, input dropout 0.4": ("sketch", ["gem"], {**PRESET, "dropout": 0.4}),
+    "preset, input dropout 0.5": ("sketch", ["gem"], {**PRESET, "dropout": 0.5}),
+    "preset, input dropout 0.6": ("sketch", ["gem"], {**PRESET, "dropout": 0.6}),
+    "preset, L = 128": ("sketch", ["gem"], {**PRESET, "config": {"L": 128}}),
+    "preset, weight decay 1e-2": ("sketch", ["gem"], {**PRESET, "config": {"weight_decay": 1e-2}}),
+    "preset, hidden 512": ("sketch", ["gem"], {**PRESET, "config": {"hidden": 512}}),
     "plain": ("sketch", ["gap"], {}),
     "mirror-averaged": ("sketch", ["gap"], {"flip": "both"}),
     "mirror-averaged, GeM pooling": ("sketch", ["gem"], {"flip": "both"}),
@@ -84,6 +105,51 @@ VARIANTS = {
     "GeM, input dropout 0.3, photos mirror-averaged, unit, raw 256 weight 2": (
         "sketch", ["gem"], {"flip": "photo", "dropout": 0.3, "unit": True, "raw": (256, 2.0)}),
 }
+
+
+def similar_class_mixing(photo_feats, labels, alpha: float, tau: float) -> torch.Tensor:
+    """(C, C) pairing matrix T = (1 - alpha) I + alpha W: W symmetric and doubly
+    stochastic (Sinkhorn) with off-diagonal weights exp(cos(m_c, m_c') / tau) between the
+    classes' mean photo features, centred; W's diagonal is 0."""
+    labels = torch.as_tensor(np.asarray(labels))
+    C = int(labels.max()) + 1
+    m = torch.stack([photo_feats[labels == c].double().mean(0) for c in range(C)])
+    m = torch.nn.functional.normalize(m - m.mean(0), dim=1)
+    w = torch.exp((m @ m.T) / tau)
+    w.fill_diagonal_(0.0)
+    for _ in range(500):  # symmetric Sinkhorn: rows and columns to sum 1
+        d = w.sum(1)
+        w = w / torch.sqrt(d[:, None] * d[None, :])
+    w = 0.5 * (w + w.T) / w.sum(1, keepdim=True)
+    return (1 - alpha) * torch.eye(C, dtype=w.dtype) + alpha * w
+
+
+class SimilarClassSampler(PairSampler):
+    """p(x, y) = sum_c p(c) p(x|c) sum_c' T[c, c'] p(y|c'): each sketch's photo is drawn
+    from class c' ~ T[c] (class pairing is T = I). ``T`` is set on the class before
+    training.cdk.train builds one."""
+
+    T: torch.Tensor | None = None
+
+    def epoch(self, seed, epoch, batch_size):
+        g = torch.Generator().manual_seed(int(seed) * 100_003 + int(epoch) + 1)
+        for s, _ in super().epoch(seed, epoch, batch_size):
+            c = torch.multinomial(self.T[self.sketch_labels[s]].float(), 1, generator=g)[:, 0]
+            u = torch.rand(len(s), generator=g, dtype=torch.float64)
+            k = (u * self.count[c]).long().clamp_max(self.count[c] - 1)
+            yield s, self.order[self.start[c] + k]
+
+    def joint_moment(self, f, g, sketch_idx=None, photo_idx=None):
+        """E[f(X) g(Y)]: f at each sketch times the T-weighted class means of g."""
+        s_idx = torch.arange(len(f)) if sketch_idx is None else torch.as_tensor(sketch_idx)
+        p_idx = torch.arange(len(g)) if photo_idx is None else torch.as_tensor(photo_idx)
+        labels = self.photo_labels[p_idx.long()]
+        n = torch.bincount(labels, minlength=len(self.count)).double()
+        g_bar = torch.zeros(len(n), g.shape[1], dtype=torch.float64).index_add_(
+            0, labels, g.double()) / n.clamp_min(1)[:, None]
+        t = self.T.double() * (n > 0)[None]
+        mixed = (t / t.sum(1, keepdim=True)) @ g_bar
+        return (f.double() * mixed[self.sketch_labels[s_idx.long()]]).mean(0)
 
 
 @torch.no_grad()
@@ -142,13 +208,13 @@ def _pick(F: dict, mod: str, keys: list[str], flip: bool, prefix: str = "") -> t
     return torch.cat(parts, 1)
 
 
-def run_variant(F: dict, name: str, seed: int, split: str) -> dict:
+def run_variant(F: dict, name: str, seed: int, parts: dict) -> dict:
+    """Train variant ``name`` on the classes parts["train"], score it on parts["valid"]."""
     sketch_set, keys, opt = VARIANTS[name]
     flip, unit = opt.get("flip", "none"), opt.get("unit", False)
     S = _pick(F, sketch_set, keys, flip in ("both", "sketch"))
     P = _pick(F, "photo", keys, flip in ("both", "photo"))
     sl, pl = F["sketch_labels"], F["photo_labels"]
-    parts = split_classes(split, F["classes"])
     index = {c: i for i, c in enumerate(F["classes"])}
 
     def rows(which):
@@ -166,18 +232,26 @@ def run_variant(F: dict, name: str, seed: int, split: str) -> dict:
     cfg = dataclasses.replace(Config(image_size=F["size"]), seed=seed, out="",
                               input_dropout=opt.get("dropout", 0.0), unit_embeddings=unit,
                               raw_dims=raw_dims, raw_weight=raw_weight,
-                              sort_modes=False)  # the training order, compared with sorted below
+                              sort_modes=False,  # the training order, compared with sorted below
+                              **opt.get("config", {}))
     backbone = Backbone("features", torch.nn.Identity(), S.shape[1], (0, 0, 0), (1, 1, 1))
-    own = train_mod.nesting_weights
+    own, own_sampler = train_mod.nesting_weights, train_mod.PairSampler
+    if "mix" in opt:
+        SimilarClassSampler.T = similar_class_mixing(data.photo_feats, data.photo_labels,
+                                                     *opt["mix"])
+        train_mod.PairSampler = SimilarClassSampler
     if "cap" in opt:  # w_l = 1 / max(l, cap): the first cap modes weighted alike
         capped = 1.0 / torch.arange(1, cfg.L + 1, dtype=torch.float64).clamp_min(opt["cap"])
         train_mod.nesting_weights = lambda c: capped
+    if "power" in opt:
+        steep = torch.arange(1, cfg.L + 1, dtype=torch.float64) ** -float(opt["power"])
+        train_mod.nesting_weights = lambda c: steep
     t0 = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             res = train_mod.train(cfg, data, backbone, tmp, device="cpu")
     finally:
-        train_mod.nesting_weights = own
+        train_mod.nesting_weights, train_mod.PairSampler = own, own_sampler
     seconds = time.perf_counter() - t0
     dev = torch.device("cpu")
     # as training's evaluation and the Embedder embed: unit length, then raw coordinates
@@ -192,7 +266,12 @@ def run_variant(F: dict, name: str, seed: int, split: str) -> dict:
     sorted_d = {d: retrieval_metrics(f[:, order[:d]], g[:, order[:d]], *labels,
                                      cfg.k)["map_all"] for d in (1, 2, 4, 8, 16, 32, 64)}
     sm = smoothed_metrics(f, g, *labels, cfg.k, Smoothing())  # as index.build stores it
-    return {"variant": name, "seed": seed, "valid_map": full["map_all"],
+    # the modes sorted by sigma (the preset's --sort-modes), raw coordinates after them
+    perm = torch.cat([order, torch.arange(cfg.L, f.shape[1])])
+    sm_sorted = smoothed_metrics(f[:, perm], g[:, perm], *labels, cfg.k, Smoothing())
+    L = str(cfg.L)
+    return {"variant": name, "seed": seed, "valid_classes": len(parts["valid"]),
+            "valid_map": full["map_all"],
             "learned_valid_map": learned["map_all"],
             "learned_valid_p10": learned["precision_at_k"],
             "valid_p10": full["precision_at_k"], "d16_share": by_d[16] / full["map_all"],
@@ -200,6 +279,11 @@ def run_variant(F: dict, name: str, seed: int, split: str) -> dict:
             "max_swap_top32_norm": spectrum_order(res.singular_values_norm)["max_swap"],
             "smoothed_d16_share": sm["map_by_dims"]["16"] / sm["map_all"],
             "smoothed_valid_map": sm["map_all"], "smoothed_valid_p10": sm["precision_at_k"],
+            # the target's measure: d = 16 against all L modes, both against the smoothed
+            # gallery (what dims=16 and dims=L queries of the default index score)
+            "modes_d16_share": sm["map_by_dims"]["16"] / sm["map_by_dims"][L],
+            "modes_d16_share_sorted": sm_sorted["map_by_dims"]["16"] / sm_sorted["map_by_dims"][L],
+            "smoothed_map_by_dims_sorted": sm_sorted["map_by_dims"],
             "map_by_dims": by_d, "map_by_dims_sorted_by_sigma": sorted_d,
             "train_seconds": seconds, "embeddings": (f, g, labels)}
 
@@ -214,6 +298,49 @@ def smoothing_grid(f, g, labels, k: int) -> list[dict]:
     return rows
 
 
+def folds_of(F: dict, split: str, n: int, ids) -> list[tuple[str, dict]]:
+    """[(name, {"train", "valid"})]: the split's own validation classes (n = 0), or the
+    class folds ``ids`` of its non-test classes."""
+    parts = split_classes(split, F["classes"])
+    if n == 0:
+        return [("valid", parts)]
+    rest = parts["train"] + parts["valid"]
+    folds = class_folds(rest, n)
+    ids = range(n) if ids is None else ids
+    return [(f"fold {i}/{n}", {"train": [c for c in rest if c not in set(folds[i])],
+                               "valid": folds[i]}) for i in ids]
+
+
+def _table(results: list[dict], variants: list[str]) -> None:
+    """The mean of each variant's runs; where the preset ran on the same folds and seeds,
+    the mean paired difference from it (each fold and seed against its own preset run)."""
+    base = {(r["fold"], r["seed"]): r for r in results if r["variant"] == "preset"}
+    print("\n| variant | runs | valid mAP | valid P@10 | d=16 share | max swap top-32 "
+          "(Rayleigh / norms) | smoothed valid mAP | smoothed P@10 | modes' d=16 share, "
+          "smoothed (sorted; min) | paired vs preset: smoothed mAP, d = 16 |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
+    for name in variants:
+        rs = [r for r in results if r["variant"] == name]
+        if not rs:
+            continue
+        mean = {k: float(np.mean([r[k] for r in rs])) for k in
+                ("valid_map", "valid_p10", "d16_share", "max_swap_top32", "max_swap_top32_norm",
+                 "smoothed_valid_map", "smoothed_valid_p10", "modes_d16_share_sorted")}
+        low = min(r["modes_d16_share_sorted"] for r in rs)
+        pairs = [(r, base[r["fold"], r["seed"]]) for r in rs if (r["fold"], r["seed"]) in base]
+        paired = "-"
+        if pairs and name != "preset":
+            dm = np.mean([a["smoothed_valid_map"] - b["smoothed_valid_map"] for a, b in pairs])
+            d16 = np.mean([a["smoothed_map_by_dims_sorted"]["16"]
+                           - b["smoothed_map_by_dims_sorted"]["16"] for a, b in pairs])
+            paired = f"{dm:+.3f}, {d16:+.3f} ({len(pairs)})"
+        print(f"| {name} | {len(rs)} | {mean['valid_map']:.3f} | "
+              f"{mean['valid_p10']:.3f} | {mean['d16_share']:.2f} | "
+              f"{mean['max_swap_top32']:.3f} / {mean['max_swap_top32_norm']:.3f} | "
+              f"{mean['smoothed_valid_map']:.3f} | {mean['smoothed_valid_p10']:.3f} | "
+              f"{mean['modes_d16_share_sorted']:.3f}; {low:.3f} | {paired} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.cdk_levers_bench",
                                  description=__doc__,
@@ -224,50 +351,59 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/cdk-levers-bench")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--seeds", nargs="*", type=int, default=[0])
+    ap.add_argument("--folds", type=int, default=0,
+                    help="cross-validate over N class folds of the non-test classes "
+                         "(0: the split's validation classes)")
+    ap.add_argument("--fold-ids", nargs="*", type=int, default=None,
+                    help="which folds to hold out (default: all)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--report", action="store_true",
+                    help="print the table of OUT/results.jsonl's runs (those with a fold) "
+                         "and exit")
     args = ap.parse_args(argv)
+    if args.fold_ids and any(not 0 <= i < args.folds for i in args.fold_ids):
+        ap.error(f"--fold-ids must lie in 0..{args.folds - 1}")
     tune_allocator()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
+    if args.report:
+        runs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+        runs = [r for r in runs if "fold" in r]
+        _table(runs, list(dict.fromkeys(r["variant"] for r in runs)))
+        return 0
     F = load_features(args.data, out, args.backbone)
+    folds = folds_of(F, args.split, args.folds, args.fold_ids)
     results = []
     for name in args.variants:
-        for seed in args.seeds:
-            r = run_variant(F, name, seed, args.split)
-            emb = r.pop("embeddings")
-            results.append(r)
-            with open(out / "results.jsonl", "a") as fh:
-                fh.write(json.dumps(r) + "\n")
-            print(f"{name:<40} seed {seed}: valid mAP {r['valid_map']:.3f} P@10 "
-                  f"{r['valid_p10']:.3f} d16 {r['d16_share']:.2f} swap "
-                  f"{r['max_swap_top32']:.3f} (norms {r['max_swap_top32_norm']:.3f}) "
-                  f"smoothed {r['smoothed_valid_map']:.3f} d16 {r['smoothed_d16_share']:.2f} "
-                  f"({r['train_seconds']:.0f}s)", flush=True)
-            if name == "mirror-averaged" and seed == args.seeds[0]:
-                grid = smoothing_grid(*emb, Config().k)
-                (out / "smoothing_grid.json").write_text(json.dumps(grid, indent=1))
-                print("smoothing grid (valid mAP; rows: rounds, k; columns: weight 1 2 4 8)")
-                for rounds in (1, 2, 3):
-                    for nb in (5, 10, 15):
-                        cells = [g["map"] for g in grid if (g["rounds"], g["k"]) == (rounds, nb)]
-                        print(f"  {rounds} {nb:>2}: " + " ".join(f"{c:.3f}" for c in cells))
-    print("\n| variant | seeds | valid mAP | valid P@10 | d=16 share | max swap top-32 "
-          "(Rayleigh / norms) | smoothed valid mAP | smoothed d=16 share |\n"
-          "|---|---|---|---|---|---|---|---|")
-    for name in args.variants:
-        rs = [r for r in results if r["variant"] == name]
-        mean = {k: float(np.mean([r[k] for r in rs])) for k in
-                ("valid_map", "valid_p10", "d16_share", "max_swap_top32", "max_swap_top32_norm",
-                 "smoothed_valid_map", "smoothed_d16_share")}
-        print(f"| {name} | {','.join(str(r['seed']) for r in rs)} | {mean['valid_map']:.3f} | "
-              f"{mean['valid_p10']:.3f} | {mean['d16_share']:.2f} | "
-              f"{mean['max_swap_top32']:.3f} / {mean['max_swap_top32_norm']:.3f} | "
-              f"{mean['smoothed_valid_map']:.3f} | {mean['smoothed_d16_share']:.2f} |")
+        for fold, parts in folds:
+            for seed in args.seeds:
+                r = run_variant(F, name, seed, parts)
+                emb = r.pop("embeddings")
+                r["fold"] = fold
+                results.append(r)
+                with open(out / "results.jsonl", "a") as fh:
+                    fh.write(json.dumps(r) + "\n")
+                print(f"{name:<40} {fold} seed {seed}: valid mAP {r['valid_map']:.3f} P@10 "
+                      f"{r['valid_p10']:.3f} d16 {r['d16_share']:.2f} swap "
+                      f"{r['max_swap_top32']:.3f} (norms {r['max_swap_top32_norm']:.3f}) "
+                      f"smoothed {r['smoothed_valid_map']:.3f} modes' d16 "
+                      f"{r['modes_d16_share']:.3f} (sorted {r['modes_d16_share_sorted']:.3f}) "
+                      f"({r['train_seconds']:.0f}s)", flush=True)
+                if name == "mirror-averaged" and seed == args.seeds[0] and fold == "valid":
+                    grid = smoothing_grid(*emb, Config().k)
+                    (out / "smoothing_grid.json").write_text(json.dumps(grid, indent=1))
+                    print("smoothing grid (valid mAP; rows: rounds, k; columns: weight 1 2 4 8)")
+                    for rounds in (1, 2, 3):
+                        for nb in (5, 10, 15):
+                            cells = [g["map"] for g in grid
+                                     if (g["rounds"], g["k"]) == (rounds, nb)]
+                            print(f"  {rounds} {nb:>2}: " + " ".join(f"{c:.3f}" for c in cells))
+    _table(results, args.variants)
     print("\nmAP at d leading modes, training order vs sorted by estimated sigma (valid):")
     for r in results:
         pairs = " ".join(f"{d}:{r['map_by_dims'][d]:.3f}/{r['map_by_dims_sorted_by_sigma'][d]:.3f}"
                          for d in r["map_by_dims"])
-        print(f"  {r['variant']} seed {r['seed']}: {pairs}")
+        print(f"  {r['variant']} {r['fold']} seed {r['seed']}: {pairs}")
     return 0
 
 

@@ -9,7 +9,7 @@ from PIL import Image
 from training.cdk.backbones import build_backbone
 from training.cdk.data import DataError, PairSampler, scan
 from training.cdk.features import extract_features
-from training.cdk.splits import SKETCHY2_TEST, split_classes, validation_classes
+from training.cdk.splits import SKETCHY2_TEST, class_folds, split_classes, validation_classes
 from training.images import ImageError
 
 
@@ -212,6 +212,25 @@ def test_validation_rule_matches_brute_force_hash_rank():
     # class (retrieval within one class is trivial): 5 -> 2, 14 -> 2
     for k, nv in ((0, 0), (1, 0), (4, 0), (5, 2), (14, 2), (15, 2), (25, 3), (104, 10), (n, 4)):
         assert len(validation_classes([f"x{i}" for i in range(k)])) == nv
+
+
+def test_class_folds_partition_by_hash_rank():
+    names = [f"class {i}" for i in range(104)]
+    digest = {c: hashlib.sha256(c.encode("utf-8")).hexdigest() for c in names}
+    rank = {c: sum(digest[o] < digest[c] for o in names) for c in names}  # brute force
+    folds = class_folds(names, 5)
+    assert [len(f) for f in folds] == [21, 21, 21, 21, 20]
+    for i, fold in enumerate(folds):
+        assert fold == sorted(c for c in names if rank[c] % 5 == i)
+    assert class_folds(names[::-1], 5) == folds  # the names decide, not their order
+    # the first fold of 10 holds validation_classes' picks' ranks 0 and 10, ...: every
+    # fold starts where the hash order does, so fold 0 holds the hash-first class
+    assert min(validation_classes(names), key=digest.get) in class_folds(names, 10)[0]
+    for bad in (1, 105):
+        with pytest.raises(ValueError, match="folds"):
+            class_folds(names, bad)
+    with pytest.raises(ValueError, match="twice"):
+        class_folds(["a", "a", "b"], 2)
 
 
 def test_file_and_sketchy2_splits_carve_validation_from_training(tmp_path):

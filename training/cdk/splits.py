@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["SKETCHY2_TEST", "split_classes", "validation_classes"]
+__all__ = ["SKETCHY2_TEST", "class_folds", "split_classes", "validation_classes"]
 
 # The 21 test classes of Sketchy split 2; of the other 104, validation_classes holds out 10.
 SKETCHY2_TEST = (
@@ -33,7 +33,25 @@ def validation_classes(train: list[str]) -> list[str]:
     n = (len(train) + 5) // 10  # integer round-half-up: no float or banker's rounding
     if n == 1:  # one class alone makes retrieval trivial: every photo relevant, mAP 1
         n = 2
-    return sorted(sorted(train, key=lambda c: hashlib.sha256(c.encode()).hexdigest())[:n])
+    return sorted(_by_hash(train)[:n])
+
+
+def _by_hash(names: list[str]) -> list[str]:
+    return sorted(names, key=lambda c: hashlib.sha256(c.encode()).hexdigest())
+
+
+def class_folds(classes: list[str], n: int) -> list[list[str]]:
+    """The classes cut into n folds for cross-validation over classes, each sorted: in the
+    order of validation_classes' hash (sha256 of the UTF-8 name), the i-th class goes to
+    fold i mod n. Fold sizes differ by at most one; like validation_classes, the folds
+    depend on the names alone. Split 2's 104 non-test classes in 5 folds give folds of 20-21
+    classes, the size of its test set."""
+    if not 2 <= n <= len(classes):
+        raise ValueError(f"need 2 <= folds <= {len(classes)} classes, got {n}")
+    if len(set(classes)) != len(classes):
+        raise ValueError("a class is listed twice")
+    ranked = _by_hash(list(classes))
+    return [sorted(ranked[i::n]) for i in range(n)]
 
 
 def _sketchy1(classes: list[str]) -> tuple[list[str], list[str], list[str]]:
