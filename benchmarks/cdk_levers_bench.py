@@ -69,6 +69,7 @@ VARIANTS = {
     "preset, L = 128": ("sketch", ["gem"], {**PRESET, "config": {"L": 128}}),
     "preset, weight decay 1e-2": ("sketch", ["gem"], {**PRESET, "config": {"weight_decay": 1e-2}}),
     "preset, hidden 512": ("sketch", ["gem"], {**PRESET, "config": {"hidden": 512}}),
+    "preset, + last block pooled": ("sketch", ["gem", "last"], PRESET),
     "plain": ("sketch", ["gap"], {}),
     "mirror-averaged": ("sketch", ["gap"], {"flip": "both"}),
     "mirror-averaged, GeM pooling": ("sketch", ["gem"], {"flip": "both"}),
