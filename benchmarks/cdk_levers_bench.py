@@ -136,18 +136,13 @@ class SimilarClassSampler(PairSampler):
         g = torch.Generator().manual_seed(int(seed) * 100_003 + int(epoch) + 1)
         for s, _ in super().epoch(seed, epoch, batch_size):
             c = torch.multinomial(self.T[self.sketch_labels[s]].float(), 1, generator=g)[:, 0]
-            u = torch.rand(len(s), generator=g, dtype=torch.float64)
-            k = (u * self.count[c]).long().clamp_max(self.count[c] - 1)
-            yield s, self.order[self.start[c] + k]
+            yield s, self.photos_of_classes(c, g)
 
     def joint_moment(self, f, g, sketch_idx=None, photo_idx=None):
         """E[f(X) g(Y)]: f at each sketch times the T-weighted class means of g."""
         s_idx = torch.arange(len(f)) if sketch_idx is None else torch.as_tensor(sketch_idx)
         p_idx = torch.arange(len(g)) if photo_idx is None else torch.as_tensor(photo_idx)
-        labels = self.photo_labels[p_idx.long()]
-        n = torch.bincount(labels, minlength=len(self.count)).double()
-        g_bar = torch.zeros(len(n), g.shape[1], dtype=torch.float64).index_add_(
-            0, labels, g.double()) / n.clamp_min(1)[:, None]
+        g_bar, n = self.class_means(g, p_idx)
         t = self.T.double() * (n > 0)[None]
         mixed = (t / t.sum(1, keepdim=True)) @ g_bar
         return (f.double() * mixed[self.sketch_labels[s_idx.long()]]).mean(0)
@@ -308,8 +303,12 @@ def folds_of(F: dict, split: str, n: int, ids) -> list[tuple[str, dict]]:
     rest = parts["train"] + parts["valid"]
     folds = class_folds(rest, n)
     ids = range(n) if ids is None else ids
-    return [(f"fold {i}/{n}", {"train": [c for c in rest if c not in set(folds[i])],
-                               "valid": folds[i]}) for i in ids]
+    out = []
+    for i in ids:
+        held = set(folds[i])
+        out.append((f"fold {i}/{n}", {"train": [c for c in rest if c not in held],
+                                      "valid": folds[i]}))
+    return out
 
 
 def _table(results: list[dict], variants: list[str]) -> None:

@@ -223,8 +223,7 @@ def test_class_folds_partition_by_hash_rank():
     for i, fold in enumerate(folds):
         assert fold == sorted(c for c in names if rank[c] % 5 == i)
     assert class_folds(names[::-1], 5) == folds  # the names decide, not their order
-    # the first fold of 10 holds validation_classes' picks' ranks 0 and 10, ...: every
-    # fold starts where the hash order does, so fold 0 holds the hash-first class
+    # the same hash order as validation_classes: the class it ranks first opens fold 0
     assert min(validation_classes(names), key=digest.get) in class_folds(names, 10)[0]
     for bad in (1, 105):
         with pytest.raises(ValueError, match="folds"):

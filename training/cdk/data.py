@@ -132,11 +132,7 @@ class PairSampler:
             keep = partner >= 0
             pairs = f[keep] * g[partner[keep]]
         else:
-            n_cls = len(self.count)
-            labels = self.photo_labels[p_idx.long()]
-            n = torch.bincount(labels, minlength=n_cls).double()
-            g_bar = torch.zeros(n_cls, g.shape[1], dtype=g.dtype).index_add_(0, labels, g)
-            g_bar = g_bar / n.clamp_min(1)[:, None]
+            g_bar, n = self.class_means(g, p_idx)
             c = self.sketch_labels[s_idx.long()]
             keep = n[c] > 0
             pairs = f[keep] * g_bar[c[keep]]
@@ -182,11 +178,24 @@ class PairSampler:
             if self.pairing == "instance":
                 p = self.photo_of[s]
             else:
-                c = self.sketch_labels[s]
-                u = torch.rand(len(s), generator=g, dtype=torch.float64)
-                k = (u * self.count[c]).long().clamp_max(self.count[c] - 1)
-                p = self.order[self.start[c] + k]
+                p = self.photos_of_classes(self.sketch_labels[s], g)
             yield s, p
+
+    def photos_of_classes(self, c: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        """(B,) class labels -> (B,) photo indices, each drawn uniformly from its class."""
+        u = torch.rand(len(c), generator=g, dtype=torch.float64)
+        k = (u * self.count[c]).long().clamp_max(self.count[c] - 1)
+        return self.order[self.start[c] + k]
+
+    def class_means(self, g: torch.Tensor, p_idx: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """g: (P, L) at the photos ``p_idx`` -> ((C, L) float64 mean of g over each class's
+        photos among them (0 where none), (C,) how many there are)."""
+        labels = self.photo_labels[p_idx.long()]
+        n = torch.bincount(labels, minlength=len(self.count)).double()
+        g_bar = torch.zeros(len(n), g.shape[1], dtype=torch.float64).index_add_(
+            0, labels, g.double())
+        return g_bar / n.clamp_min(1)[:, None], n
 
 
 def _alternate(labels: torch.Tensor) -> torch.Tensor:
