@@ -129,9 +129,12 @@ def parse_args(argv: list[str] | None = None) -> AddConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return cli.main(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     tune_allocator()
     cfg = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     set_threads(cfg.threads)
     checkpoint = cfg.checkpoint or read_sidecar(cfg.index).checkpoint
     embedder = Embedder.from_checkpoint(checkpoint, device=cfg.device)

@@ -150,9 +150,12 @@ def parse_args(argv: list[str] | None = None) -> BuildConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return cli.main(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     tune_allocator()
     cfg = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     set_threads(cfg.threads)
     embedder = Embedder.from_checkpoint(cfg.checkpoint, device=cfg.device)
     cache = feature_cache_dir(cfg.feature_cache, embedder)

@@ -1,7 +1,9 @@
 """The errors raised when an index on disk cannot be used (`index.store`, `index.table`)."""
 
+from training.cli import UserError
 
-class IndexStoreError(Exception):
+
+class IndexStoreError(UserError):
     """Base of the errors raised when an index on disk cannot be used."""
 
 

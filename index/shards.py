@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from index.gallery import Photo, embed_photos
 from training.cdk.embedder import Embedder
+from training.cli import UserError
 from training.files import atomic_write_bytes, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ SHARD_FORMAT = 1
 DEFAULT_SHARD_SIZE = 10_000  # photos: ~10 MB of vectors at 256 dims; ~7 min of CPU embedding
 
 
-class ShardError(Exception):
+class ShardError(UserError):
     """A shard on disk disagrees with the plan (edited or written by other code)."""
 
 

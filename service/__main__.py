@@ -9,7 +9,6 @@ variables, then the defaults.
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import uvicorn
@@ -33,7 +32,7 @@ def build_hint(settings: Settings) -> str:
              f"--out {settings.index}"]
     if settings.checkpoint is None:
         lines.insert(0, f"python -m training.cdk --data {DEFAULT_DATA} --preset cpu --out runs/cdk")
-    return "\n  ".join(lines)
+    return " && ".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
@@ -44,15 +43,18 @@ def parse_args(argv: list[str] | None = None) -> Settings:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return cli.main(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     tune_allocator()
     settings = parse_args(argv)
+    cli.setup_logging(settings.log_level)  # the flag or SKETCHSVD_LOG_LEVEL
     try:
         read_sidecar(settings.index)
     except IndexStoreError as err:
-        print(f"error: {err}\nbuild the index first:\n  {build_hint(settings)}", file=sys.stderr)
+        print(f"error: {err}; build the index first: {build_hint(settings)}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
     print(f"serving on http://{settings.host}:{settings.port}/ (open it in a browser to draw)",
           flush=True)
     uvicorn.Server(server_config(create_app(settings), settings)).run()

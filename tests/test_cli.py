@@ -111,7 +111,8 @@ def test_value_errors_from_make_are_usage_errors(capsys):
 
     with pytest.raises(SystemExit):
         cli.parse(parser(), strict, ["--batch-size", "1"])
-    assert "toy: error: batch_size must be >= 2, got 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err == "error: batch_size must be >= 2, got 1 (toy --help lists the flags)\n"
 
 
 def test_build_checks_names_and_types():
@@ -162,3 +163,54 @@ def test_pydantic_settings_flags_override_the_environment(monkeypatch, capsys):
         assert message in capsys.readouterr().err
     help_text = " ".join(p.format_help().split())
     assert "TCP port; env TOY_PORT; default: 8000" in help_text
+
+
+def test_usage_errors_are_one_line(capsys):
+    err = error_of(["--batch-size", "two"], capsys)
+    assert err.count("\n") == 1 and err.startswith("error: argument --batch-size")
+
+
+def test_log_level_is_a_flag_of_every_parser_but_no_field():
+    assert toy(["--log-level", "debug"]) == Toy()
+    assert cli.log_level_of(["--x", "1", "--log-level", "warning"]) == "warning"
+    assert cli.log_level_of(["--log-level=debug"]) == "debug"
+    assert cli.log_level_of([]) == "info"
+
+
+@pytest.mark.parametrize("err", [
+    ValueError("epochs must be >= 1, got 0"),
+    FileNotFoundError(2, "No such file or directory", "runs/x/checkpoint.pt"),
+    cli.UserError("index folder runs/ix is locked by pid 12"),
+])
+def test_main_reports_user_errors_in_one_line_with_status_2(err, capsys):
+    def body(argv):
+        raise err
+
+    assert cli.main(body, []) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and out.err.startswith("error: ")
+    assert "Traceback" not in out.err
+    if isinstance(err, OSError):
+        assert "runs/x/checkpoint.pt" in out.err
+    assert cli.main(body, ["--log-level", "debug"]) == 2
+    assert "Traceback" in capsys.readouterr().err  # debug shows where it came from
+
+
+def test_main_lets_bugs_through_and_returns_the_bodys_status():
+    def bug(argv):
+        raise KeyError("x")
+
+    with pytest.raises(KeyError):
+        cli.main(bug, [])
+    assert cli.main(lambda argv: 3, []) == 3
+    assert cli.main(lambda argv: None, []) == 0
+
+
+def test_other_libraries_log_only_warnings(capsys):
+    import logging
+
+    cli.setup_logging("info")
+    logging.getLogger("onnxscript.exporter").info("Replaced initializer")
+    logging.getLogger("training.cdk.x").info("ours")
+    err = capsys.readouterr().err
+    assert "ours" in err and "Replaced initializer" not in err

@@ -11,20 +11,47 @@ that names no field, or a value of the wrong type or outside the choices, is a u
 
     parser = build_parser(Config, prog="python -m x", presets=PRESETS, default_preset="cpu")
     cfg = parse(parser, make_config, argv)  # make_config(preset=..., **flags_given)
+
+Every parser also takes ``--log-level debug|info|warning|error`` (default info), and every
+entry point runs its body through ``main``: the project's own loggers log at that level and
+other libraries' only from WARNING up; an error the user can fix (bad data, a bad value, a
+missing file, a locked index) ends the run with one line ``error: ...`` on stderr and exit
+status 2, with the traceback only under ``--log-level debug``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import sys
+import traceback
 import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
-__all__ = ["parse_bool", "build_parser", "parse", "build"]
+__all__ = ["LOG_LEVELS", "UserError", "parse_bool", "build_parser", "parse", "build",
+           "setup_logging", "main"]
 
 T = TypeVar("T")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# The loggers that follow --log-level; every other library logs from WARNING up.
+OWN_LOGGERS = ("training", "index", "service", "benchmarks", "__main__")
+
+
+class UserError(Exception):
+    """An error the user can fix, whose message names the thing and the fix: ``main``
+    reports it in one line. ValueError and OSError are treated the same way."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line usage error: ``error: MESSAGE (PROG --help ...)``, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} ({self.prog} --help lists the flags)\n")
+
+
 BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -95,10 +122,13 @@ def build_parser(
     if presets:
         epilog = "presets (applied before the flags):\n" + "\n".join(
             f"  {name}: {_describe(values)}" for name, values in presets.items())
-    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
-                                     allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog=prog, description=description, epilog=epilog, allow_abbrev=False,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     specs = _fields(cls)
+    if "log_level" not in {spec[0] for spec in specs}:  # read by main() before parsing
+        parser.add_argument("--log-level", dest="_log_level", choices=LOG_LEVELS,
+                            default=argparse.SUPPRESS,
+                            help="debug also shows tracebacks; default: info")
     for name in (*choices, *required, *positional):
         if name not in {spec[0] for spec in specs}:
             raise ValueError(f"{name!r} is not a field of {cls.__name__}")
@@ -140,6 +170,7 @@ def parse(parser: argparse.ArgumentParser, make: Callable[..., T],
     """``make(**given)`` for the flags given in ``argv`` (and ``preset`` where the parser
     has it); a ValueError from ``make`` (a bad value) becomes a usage error naming it."""
     given = vars(parser.parse_args(argv))
+    given.pop("_log_level", None)  # read by main() from argv
     try:
         return make(**given)
     except ValueError as err:
@@ -179,3 +210,56 @@ def build(cls: type[T], *layers: Mapping[str, Any]) -> T:
                 raise ValueError(f"{name} must be of type {kind}, got {value!r}")
             values[name] = value
     return cls(**values)
+
+
+def setup_logging(level: str = "info") -> None:
+    """The project's loggers at ``level``; every other library's from WARNING up (the ONNX
+    exporter, Ray, matplotlib... stay out of the default output)."""
+    if level not in LOG_LEVELS:
+        raise ValueError(f"log level must be one of {LOG_LEVELS}, got {level!r}")
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    for name in OWN_LOGGERS:
+        logging.getLogger(name).setLevel(level.upper())
+    if level == "debug":
+        logging.getLogger().setLevel(logging.DEBUG)
+
+
+def log_level_of(argv: Sequence[str]) -> str:
+    """The value of ``--log-level`` in ``argv`` (the last one given), else info."""
+    level = "info"
+    for i, arg in enumerate(argv):
+        if arg == "--log-level" and i + 1 < len(argv):
+            level = argv[i + 1]
+        elif arg.startswith("--log-level="):
+            level = arg.split("=", 1)[1]
+    return level if level in LOG_LEVELS else "info"
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    if isinstance(err, OSError) and err.filename is not None and str(err.filename) not in text:
+        text = f"{text}: {err.filename}"
+    return text
+
+
+def main(body: Callable[[list[str]], int | None], argv: Sequence[str] | None = None) -> int:
+    """Run an entry point's ``body(argv)`` under the one convention: logging by
+    ``--log-level``; a UserError, ValueError or OSError -> ``error: ...`` on stderr and exit
+    status 2 (traceback under ``--log-level debug``); Ctrl-C -> exit 130. Returns the exit
+    status (``body``'s, 0 when it returns None)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    level = log_level_of(argv)
+    setup_logging(level)
+    try:
+        return int(body(argv) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (UserError, ValueError, OSError) as err:
+        if level == "debug":
+            traceback.print_exc()
+        else:
+            hint = " (--log-level debug shows the traceback)"
+        print(f"error: {_one_line(err)}{'' if level == 'debug' else hint}", file=sys.stderr)
+        return 2

@@ -106,7 +106,11 @@ def random_matrix(n: int, m: int, s: torch.Tensor, seed: int = 0) -> torch.Tenso
     return U @ torch.diag(s) @ V.T
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    return cli.main(_main, argv)
+
+
+def _main(argv: list[str]) -> None:
     parser = cli.build_parser(
         FitConfig,
         prog="python -m training.demo",
@@ -114,7 +118,6 @@ def main(argv=None) -> None:
         choices={"nesting": NESTINGS},
     )
     cfg = cli.parse(parser, FitConfig, argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     s = torch.cat([torch.linspace(1.0, 0.3, 8), torch.linspace(0.25, 0.01, 40)]).double()
     K = random_matrix(64, 48, s, seed=cfg.seed)
@@ -143,4 +146,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
+from training import cli
 from training.allocator import tune_allocator
 
 from .config import parse_args
@@ -13,8 +13,11 @@ from .run import run
 
 
 def main(argv: list[str] | None = None) -> int:
+    return cli.main(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     tune_allocator()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = parse_args(argv)
     m = run(cfg)
     if m:

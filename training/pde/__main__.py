@@ -3,17 +3,20 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
+from training import cli
 from training.allocator import tune_allocator
 from training.pde.config import parse_args
 from training.pde.run import run
 
 
 def main(argv: list[str] | None = None) -> int:
+    return cli.main(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
     tune_allocator()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = parse_args(argv)
     m = run(config)
     print(

@@ -1,0 +1,101 @@
+"""Every entry point, run as a user runs it: a mistake the user can fix ends in one line
+``error: ...`` on stderr that names the thing, exit status 2 and no traceback; the
+traceback comes back with ``--log-level debug``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", *argv], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=300)
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *names: str) -> str:
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert "Traceback" not in err, err
+    last = err.splitlines()[-1]
+    assert last.startswith("error: "), err
+    for name in names:
+        assert name in last, err
+    return last
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    from training.cdk.checkpoint import init_checkpoint
+
+    path = tmp_path_factory.mktemp("ckpt") / "checkpoint.pt"
+    init_checkpoint(path, L=4, hidden=8)
+    return path
+
+
+def test_index_build_with_a_link_out_of_the_gallery(tmp_path, small_gallery, checkpoint):
+    gallery = tmp_path / "gallery"
+    gallery.mkdir()
+    cls = next(p for p in small_gallery.iterdir() if p.is_dir())
+    (gallery / cls.name).mkdir()
+    photo = next(cls.iterdir())
+    (gallery / cls.name / photo.name).write_bytes(photo.read_bytes())
+    outside = tmp_path / "elsewhere.jpg"
+    outside.write_bytes(photo.read_bytes())
+    (gallery / cls.name / "link.jpg").symlink_to(outside)
+    argv = ["index.build", "--checkpoint", str(checkpoint), "--photos", str(gallery),
+            "--out", str(tmp_path / "ix")]
+    one_line_error(run(*argv, cwd=tmp_path), "link.jpg", "outside")
+    debug = run(*argv, "--log-level", "debug", cwd=tmp_path)
+    assert debug.returncode == 2 and "Traceback" in debug.stderr
+    assert not (tmp_path / "ix" / "CURRENT").exists()
+
+
+def test_index_build_with_a_missing_checkpoint(tmp_path, small_gallery):
+    one_line_error(run("index.build", "--checkpoint", str(tmp_path / "none.pt"), "--photos",
+                       str(small_gallery), "--out", str(tmp_path / "ix"), cwd=tmp_path),
+                   "none.pt")
+
+
+def test_index_add_to_a_locked_index(tmp_path, small_gallery, checkpoint):
+    from index.store import IndexWriter
+
+    out = tmp_path / "ix"
+    build = run("index.build", "--checkpoint", str(checkpoint), "--photos", str(small_gallery),
+                "--out", str(out), "--no-progress", cwd=tmp_path)
+    assert build.returncode == 0, build.stderr
+    with IndexWriter(out, create=False):
+        one_line_error(run("index.add", "--index", str(out), "--photos", str(small_gallery),
+                           cwd=tmp_path), "lock", str(os.getpid()))
+
+
+def test_training_cdk_with_a_folder_that_is_no_dataset(tmp_path):
+    (tmp_path / "data" / "photo").mkdir(parents=True)
+    one_line_error(run("training.cdk", "--data", str(tmp_path / "data"), "--out",
+                       str(tmp_path / "run"), cwd=tmp_path), "sketch")
+
+
+def test_training_cdk_with_a_bad_value(tmp_path):
+    one_line_error(run("training.cdk", "--data", str(tmp_path), "--epochs", "0", cwd=tmp_path),
+                   "epochs")
+
+
+def test_training_pde_with_an_unknown_problem(tmp_path):
+    one_line_error(run("training.pde", "helium", cwd=tmp_path), "helium")
+
+
+def test_service_without_an_index(tmp_path):
+    last = one_line_error(run("service", "--index", str(tmp_path / "none"), cwd=tmp_path),
+                          "none")
+    assert "python -m index.build" in last  # and the command that makes one
+
+
+def test_demo_with_a_bad_flag(tmp_path):
+    one_line_error(run("training.demo", "--nesting", "diagonal", cwd=tmp_path), "diagonal")
