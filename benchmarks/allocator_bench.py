@@ -17,7 +17,7 @@ import numpy as np
 PROBE = """
 import json, resource, sys, time, torch
 from training.allocator import tune_allocator
-from training.cdk.backbones import NATIVE_SIZE, build_backbone
+from training.cdk.model.backbones import NATIVE_SIZE, build_backbone
 name, mode = sys.argv[1], sys.argv[5]
 batch, threads, reps = map(int, sys.argv[2:5])
 if mode == "tuned":

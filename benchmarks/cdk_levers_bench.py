@@ -39,12 +39,12 @@ from PIL import ImageFilter
 
 import training.cdk.train as train_mod
 from training.allocator import tune_allocator
-from training.cdk.backbones import NATIVE_SIZE, Backbone, build_backbone, global_pool
 from training.cdk.config import Config
 from training.cdk.data import PairSampler, scan
 from training.cdk.metrics import retrieval_metrics, smoothed_metrics, spectrum_order
+from training.cdk.model.backbones import NATIVE_SIZE, Backbone, build_backbone, global_pool
+from training.cdk.model.smoothing import Smoothing, smooth
 from training.cdk.run import embed_features, retrieval_embeddings
-from training.cdk.smoothing import Smoothing, smooth
 from training.cdk.splits import class_folds, split_classes
 from training.cdk.train import TrainData
 from training.images import images_to_tensor, load_image

@@ -21,11 +21,11 @@ import time
 import torch
 
 from training.allocator import tune_allocator
-from training.cdk.backbones import build_backbone
 from training.cdk.config import NESTING_OF, make_config, nesting_weights
 from training.cdk.data import PairSampler, scan
 from training.cdk.finetune import Split, StepImages
-from training.cdk.model import MODALITIES, Head
+from training.cdk.model.backbones import build_backbone
+from training.cdk.model.heads import MODALITIES, Head
 from training.cdk.splits import split_classes
 from training.cdk.train import PairModel, TrainData, _Inputs, _train_mode
 from training.loss import cdk_loss, nesting_masks

@@ -5,7 +5,7 @@
 Prints milliseconds per image (best of `--repeats` timed calls after a warm-up) for each
 runtime, thread count and batch size, and each runtime's largest difference from PyTorch's
 embedding relative to the embedding's scale. This is how the service's CPU path was chosen
-(training/cdk/export.py): ONNX Runtime in float32. OpenVINO is measured when it is installed
+(training/cdk/model/export.py): ONNX Runtime in float32. OpenVINO is measured when it is installed
 (`pip install openvino`; not a dependency), in float32 and in its default precision, which
 is bf16 on CPUs with AVX512-BF16 or AMX. Per-image time by batch size also says whether
 forming micro-batches of concurrent requests would pay.
@@ -28,9 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from training.allocator import tune_allocator  # noqa: E402
-from training.cdk.checkpoint import init_checkpoint  # noqa: E402
-from training.cdk.embedder import Embedder  # noqa: E402
-from training.cdk.export import OnnxEncoder, export_encoder  # noqa: E402
+from training.cdk.model.checkpoint import init_checkpoint  # noqa: E402
+from training.cdk.model.embedder import Embedder  # noqa: E402
+from training.cdk.model.export import OnnxEncoder, export_encoder  # noqa: E402
 
 
 def best_ms(fn, repeats: int) -> float:
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     embedder = Embedder.from_checkpoint(ckpt, device="cpu")
     t0 = time.perf_counter()
     model = export_encoder(embedder)
-    print(f"{embedder.backbone} at {embedder.image_size} px, L={embedder.L}; export "
+    print(f"{embedder.backbone} at {embedder.image_size} px, width {embedder.width}; export "
           f"{time.perf_counter() - t0:.1f} s, {len(model) / 1e6:.1f} MB")
     size = embedder.image_size
     print(f"{'threads':>7} {'batch':>5} {'runtime':>17} {'ms/image':>9} {'vs torch':>8} "

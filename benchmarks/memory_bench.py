@@ -84,8 +84,8 @@ def prepare_index(out: Path) -> Path:
     sys.path.insert(0, str(REPO))
     from index.build import build_index
     from tests.fakes import make_gallery
-    from training.cdk.checkpoint import init_checkpoint
-    from training.cdk.embedder import Embedder
+    from training.cdk.model.checkpoint import init_checkpoint
+    from training.cdk.model.embedder import Embedder
 
     ckpt = init_checkpoint(out / "checkpoint.pt", L=16, hidden=64, image_size=224)
     photos = make_gallery(out / "photos", classes=3, per_class=5, size=64)

@@ -50,7 +50,7 @@ def fit_stats(index_dir: Path, data: Path, per_class: int, out: Path) -> None:
     import torch
 
     from index.store import load_index
-    from training.cdk.embedder import Embedder
+    from training.cdk.model.embedder import Embedder
     from training.folders import scan_paired
     from training.images import load_image
 

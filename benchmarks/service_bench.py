@@ -56,8 +56,8 @@ def prepare_index(out: Path, data: Path, classes: int | None, flip_average: bool
     import torch
 
     from index.build import build_index
-    from training.cdk.checkpoint import init_checkpoint
-    from training.cdk.embedder import Embedder
+    from training.cdk.model.checkpoint import init_checkpoint
+    from training.cdk.model.embedder import Embedder
 
     torch.set_num_threads(2)
     photos = data / "photo"

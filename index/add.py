@@ -24,8 +24,8 @@ from index.store import IndexWriter, Sidecar, load_index, now_utc, read_sidecar
 from index.threads import set_threads
 from training import cli
 from training.allocator import tune_allocator
-from training.cdk.embedder import Embedder
-from training.cdk.smoothing import Smoothing
+from training.cdk.model.embedder import Embedder
+from training.cdk.model.smoothing import Smoothing
 from training.folders import DataError
 
 log = logging.getLogger(__name__)

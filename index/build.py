@@ -36,8 +36,8 @@ from index.store import IndexWriter, Sidecar, check_replaceable, new_sidecar
 from index.threads import set_threads
 from training import cli
 from training.allocator import tune_allocator
-from training.cdk.embedder import Embedder
-from training.cdk.smoothing import Smoothing
+from training.cdk.model.embedder import Embedder
+from training.cdk.model.smoothing import Smoothing
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class BuildConfig:
     feature_cache: str | None = None  # training's feature cache; None: the checkpoint's; "none"
     workers: int = 1  # DataLoader processes decoding photos; 0: the main one
     progress: bool = True
-    # Gallery smoothing (training.cdk.smoothing) of the stored photo vectors; None: the
+    # Gallery smoothing (training.cdk.model.smoothing) of the stored photo vectors; None: the
     # checkpoint's values (training's --smooth-*); --smooth-k 0 stores the plain embeddings.
     # Sharded builds do not smooth.
     smooth_k: int | None = None
@@ -108,9 +108,9 @@ def build_index(
     none); `workers`: DataLoader processes decoding the other photos (0: this one);
     `smoothing`: of the stored vectors (None: the checkpoint's)."""
     start = time.perf_counter()
-    dims = embedder.L if dims is None else dims
-    if not 1 <= dims <= embedder.L:
-        raise ValueError(f"--dims {dims} is outside [1, L={embedder.L}] of the checkpoint")
+    dims = embedder.width if dims is None else dims
+    if not 1 <= dims <= embedder.width:
+        raise ValueError(f"--dims {dims} is outside [1, width {embedder.width}] of the checkpoint")
     if smoothing is None:
         smoothing = checkpoint_smoothing(embedder.config)
     check_replaceable(Path(out).absolute())  # fail before minutes of embedding, not after
@@ -121,7 +121,7 @@ def build_index(
         # smoothing finds each photo's neighbours with all L modes (the rule acts on each
         # coordinate alike, so the stored d-prefix is the L-dim smoothed vector's prefix,
         # the gallery a `dims=d` query of a full index sees); then the top `dims` are kept
-        width = embedder.L if smoothing.active else dims
+        width = embedder.width if smoothing.active else dims
         vectors = embed_photos(embedder, root, gallery, width, batch_size, progress, cached,
                                workers)  # (N, width)
         vectors = np.ascontiguousarray(smooth_vectors(vectors, smoothing)[:, :dims])

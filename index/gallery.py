@@ -22,8 +22,8 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from training.cdk.embedder import Embedder
 from training.cdk.features import find_cached
+from training.cdk.model.embedder import Embedder
 from training.folders import DataError
 from training.folders import scan_gallery as scan_folder
 from training.images import load_image
@@ -132,14 +132,14 @@ def embed_photos(
     (0: this one) and go through backbone and head in batches of `batch_size`.
     Returns a C-contiguous float32 array (N, dims) in the order of `photos`.
     """
-    if not 1 <= dims <= embedder.L:
-        raise ValueError(f"dims={dims} is outside [1, L={embedder.L}]")
+    if not 1 <= dims <= embedder.width:
+        raise ValueError(f"dims={dims} is outside [1, width {embedder.width}]")
     positions, feats = cached or ([], None)
     out = np.empty((len(photos), dims), dtype=np.float32)
     for start in range(0, len(positions), 4096):
         rows = positions[start : start + 4096]
         emb = embedder.head(feats[start : start + 4096], "photo")  # (k, L)
-        out[rows] = _checked(emb, len(rows), embedder.L)[:, :dims]
+        out[rows] = _checked(emb, len(rows), embedder.width)[:, :dims]
     done = set(positions)
     rest = [i for i in range(len(photos)) if i not in done]
     loader = DataLoader(PhotoFiles([root / photos[i].path for i in rest], embedder.transform()),
@@ -148,7 +148,7 @@ def embed_photos(
     start = 0
     for batch in loader:  # (B, 3, H, W), in order
         rows = rest[start : start + len(batch)]
-        out[rows] = _checked(embedder.encode(batch, "photo"), len(rows), embedder.L)[:, :dims]
+        out[rows] = _checked(embedder.encode(batch, "photo"), len(rows), embedder.width)[:, :dims]
         start += len(rows)
         bar.update(len(rows))
     bar.close()

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from index.gallery import Photo, embed_photos
 from index.shards import Shard, ShardPlan, write_shard
 from index.threads import set_threads
-from training.cdk.embedder import Embedder
+from training.cdk.model.embedder import Embedder
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ from index.store import (
     current_version,
     new_sidecar,
 )
-from training.cdk.embedder import Embedder
+from training.cdk.model.embedder import Embedder
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +119,9 @@ def build_sharded(
     start = time.perf_counter()
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    dims = embedder.L if dims is None else dims
-    if not 1 <= dims <= embedder.L:
-        raise ValueError(f"--dims {dims} is outside [1, L={embedder.L}] of the checkpoint")
+    dims = embedder.width if dims is None else dims
+    if not 1 <= dims <= embedder.width:
+        raise ValueError(f"--dims {dims} is outside [1, width {embedder.width}] of the checkpoint")
     budget = parse_bytes(max_index_memory) if max_index_memory else None
     if kind != "auto" and kind not in KINDS and kind not in COMPRESSED_KINDS:
         raise ValueError(f"unknown index kind {kind!r}")

@@ -30,7 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from index.gallery import Photo, embed_photos
-from training.cdk.embedder import Embedder
+from training.cdk.model.embedder import Embedder
 from training.cli import UserError
 from training.files import atomic_write_bytes, atomic_write_text
 

@@ -1,4 +1,4 @@
-"""Gallery smoothing at build and append time (the rule: training.cdk.smoothing), with the
+"""Gallery smoothing at build and append time (the rule: training.cdk.model.smoothing), with the
 neighbours found by FAISS: exact search up to ``kinds.AUTO_FLAT_MAX`` photos, an HNSW graph
 above (a build of 10^6 photos would otherwise spend ~10^12 inner products per round)."""
 
@@ -13,7 +13,7 @@ import torch
 
 from index.kinds import AUTO_FLAT_MAX, HNSW_EF_SEARCH, make_flat, make_hnsw
 from training.cdk.config import from_dict, smoothing
-from training.cdk.smoothing import Smoothing, smooth
+from training.cdk.model.smoothing import Smoothing, smooth
 
 __all__ = ["faiss_neighbours", "smooth_vectors", "smooth_added", "checkpoint_smoothing"]
 
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 def faiss_neighbours(g: torch.Tensor, k: int, rows: torch.Tensor) -> torch.Tensor:
     """(N, d), k, rows (R,) -> (R, k): the k rows most cosine-similar to each of ``rows``,
-    itself excluded (training.cdk.smoothing.Neighbours)."""
+    itself excluded (training.cdk.model.smoothing.Neighbours)."""
     x = np.ascontiguousarray(torch.nn.functional.normalize(g.float(), dim=1).numpy())
     if len(x) <= AUTO_FLAT_MAX:
         index = make_flat(x)

@@ -4,7 +4,7 @@
     OUT/v-<UTC time>-<hex>/  index.faiss, the index.json sidecar and the photo table
                              (photos.json and its columns, `index.table`)
     OUT/.lock                held (flock) by the one process writing OUT
-    OUT/encoders/            the query encoder exported per checkpoint (training.cdk.export)
+    OUT/encoders/            the query encoder exported per checkpoint (training.cdk.model.export)
     OUT/shards/              embedding shards of sharded builds (index.shards), reused on reruns
 
 A writer stages a version in OUT/.tmp-<hex>/, fsyncs its files and the folder, renames it to
@@ -60,7 +60,7 @@ META_FILE = "meta.jsonl"  # the photo table of earlier code, one JSON object a r
 METRIC = "inner_product"
 POINTER_FILE = "CURRENT"
 LOCK_FILE = ".lock"
-ENCODERS_DIR = "encoders"  # training.cdk.export.encoder_path puts exported encoders here
+ENCODERS_DIR = "encoders"  # training.cdk.model.export.encoder_path puts exported encoders here
 SHARDS_DIR = "shards"  # index.shards keeps the embedding shards of sharded builds here
 VERSION_NAME = re.compile(r"^v-\d{8}T\d{6}Z-[0-9a-f]{12}$")
 STAGE_NAME = re.compile(r"^\.tmp-[0-9a-f]{32}$")
@@ -92,7 +92,7 @@ class Sidecar:
     params: dict = field(default_factory=dict)
     recall: dict = field(default_factory=dict)
     # Optional: the gallery smoothing of the stored vectors ({k, weight, rounds};
-    # training.cdk.smoothing), empty when they are the plain embeddings
+    # training.cdk.model.smoothing), empty when they are the plain embeddings
     smoothing: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -126,7 +126,7 @@ def new_sidecar(embedder, checkpoint: str | Path, dims: int, count: int, kind: s
         checkpoint_sha256=embedder.checkpoint_sha256,
         checkpoint=str(Path(checkpoint).absolute()),
         backbone=embedder.backbone,
-        L=int(embedder.L),
+        L=int(embedder.width),
         dims=dims,
         metric=METRIC,
         count=count,

@@ -23,8 +23,8 @@ from index.gpu import SerializedIndex, gpu_available, to_gpu
 from index.store import GalleryIndex, IndexCorruptError, load_index, read_sidecar
 from index.threads import set_threads
 from service.settings import Settings
-from training.cdk.embedder import Embedder
-from training.cdk.export import EncoderMismatchError, load_or_export
+from training.cdk.model.embedder import Embedder
+from training.cdk.model.export import EncoderMismatchError, load_or_export
 from training.images import decode_image
 
 log = logging.getLogger(__name__)
@@ -90,9 +90,10 @@ class RetrievalEngine:
                  photos_root: Path | None = None, checkpoint: Path | None = None,
                  inference_slots: int = 2, decode_side: int | None = None,
                  embed_batch: int = 16, encoder: Encoder | None = None):
-        if embedder.L != gallery.sidecar.L:
+        if embedder.width != gallery.sidecar.L:
             raise IndexCorruptError(
-                f"checkpoint has L={embedder.L} but the index was built with L={gallery.sidecar.L}"
+                f"the checkpoint's embeddings are {embedder.width} wide but the index was "
+                f"built from embeddings {gallery.sidecar.L} wide"
             )
         self.embedder = embedder
         self.gallery = gallery
@@ -282,7 +283,7 @@ def load_engine(settings: Settings) -> RetrievalEngine:
         log.info("index moved to GPU")
     encoder = pick_encoder(settings, embedder)
     log.info("loaded %s (L=%d, %s, sketches by %s) and index %s (%d photos, %d dims, %s)",
-             checkpoint, embedder.L, embedder.backbone, encoder.name, settings.index,
+             checkpoint, embedder.width, embedder.backbone, encoder.name, settings.index,
              len(gallery), gallery.dims, gallery.sidecar.kind)
     return RetrievalEngine(embedder, gallery, settings.max_pixels, settings.photos_dir,
                            checkpoint, settings.inference_slots,

@@ -55,7 +55,7 @@ def small_sketches(small_gallery) -> list[bytes]:
 def real_checkpoint(tmp_path_factory) -> Path:
     """An untrained but complete training.cdk checkpoint (small head and input size; no raw
     coordinates, so its embeddings are the 8 modes; ``hybrid_checkpoint`` has them)."""
-    from training.cdk.checkpoint import init_checkpoint
+    from training.cdk.model.checkpoint import init_checkpoint
 
     return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "checkpoint.pt", L=8, hidden=16,
                            image_size=64, raw_dims=0)
@@ -64,7 +64,7 @@ def real_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def hybrid_checkpoint(tmp_path_factory) -> Path:
     """As ``real_checkpoint``, with 8 raw coordinates after the 8 modes (L = 16 wide)."""
-    from training.cdk.checkpoint import init_checkpoint
+    from training.cdk.model.checkpoint import init_checkpoint
 
     return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "hybrid.pt", L=8, hidden=16,
                            image_size=64, raw_dims=8)
@@ -72,7 +72,7 @@ def hybrid_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def real_embedder(real_checkpoint):
-    from training.cdk.embedder import Embedder
+    from training.cdk.model.embedder import Embedder
 
     return Embedder.from_checkpoint(real_checkpoint, device="cpu")
 

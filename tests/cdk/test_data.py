@@ -6,9 +6,9 @@ import pytest
 import torch
 from PIL import Image
 
-from training.cdk.backbones import build_backbone
 from training.cdk.data import DataError, PairSampler, scan
 from training.cdk.features import extract_features
+from training.cdk.model.backbones import build_backbone
 from training.cdk.splits import SKETCHY2_TEST, class_folds, split_classes, validation_classes
 from training.images import ImageError
 

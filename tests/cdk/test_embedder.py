@@ -4,9 +4,9 @@ import torch
 from PIL import Image
 
 from tests.fakes import crafted_checkpoint
-from training.cdk.checkpoint import init_checkpoint, load_checkpoint
-from training.cdk.embedder import Embedder
-from training.cdk.model import retrieval_embedding
+from training.cdk.model.checkpoint import init_checkpoint, load_checkpoint
+from training.cdk.model.embedder import Embedder
+from training.cdk.model.heads import retrieval_embedding
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def _images():
 
 def test_embed_shape_dtype_and_determinism(ckpt):
     e = Embedder.from_checkpoint(ckpt, device="cpu")
-    assert e.L == 16 and e.modes == 8 and e.raw_dims == 8 and e.backbone == "efficientnet-lite0"
+    assert e.width == 16 and e.modes == 8 and e.raw_dims == 8 and e.backbone == "efficientnet-lite0"
     assert e.singular_values.shape == (8,) and bool(torch.isfinite(e.singular_values).all())
     assert e.config["untrained"] is True and e.trained is False
     import hashlib
@@ -112,7 +112,7 @@ def test_hash_is_of_the_bytes_loaded_even_if_the_file_is_replaced_meanwhile(ckpt
     import hashlib
     import shutil
 
-    import training.cdk.checkpoint as checkpoint_mod
+    import training.cdk.model.checkpoint as checkpoint_mod
 
     path = shutil.copy(ckpt, tmp_path / "c.pt")
     loaded = path.read_bytes()
@@ -181,7 +181,7 @@ def test_photos_mirror_averaged_sketches_alone(tmp_path):
 def test_the_checkpoint_says_how_the_backbone_pools(ckpt, tmp_path):
     # the cpu preset pools the trunk's maps by generalised mean, and the embedder follows the
     # checkpoint; one without the key (earlier code) was trained on average-pooled features
-    from training.cdk.backbones import global_pool
+    from training.cdk.model.backbones import global_pool
 
     e = Embedder.from_checkpoint(ckpt, device="cpu")
     assert e.pooling == "gem" and load_checkpoint(ckpt)["backbone"]["pooling"] == "gem"
@@ -215,7 +215,7 @@ def test_unit_embeddings_scale_the_heads_outputs_to_length_one(ckpt, tmp_path):
     del old["raw"]
     torch.save(old, tmp_path / "old.pt")
     e_old = Embedder.from_checkpoint(tmp_path / "old.pt", device="cpu")
-    assert not e_old.unit_embeddings and e_old.raw_dims == 0 and e_old.L == e_old.modes == 8
+    assert not e_old.unit_embeddings and e_old.raw_dims == 0 and e_old.width == e_old.modes == 8
     ims = _images()
     for modality in ("sketch", "photo"):
         raw = e_old.embed(ims, modality)
@@ -259,7 +259,7 @@ def test_raw_coordinates_follow_the_modes(ckpt, tmp_path):
 
 
 def test_fit_raw_projections_against_numpy_pca():
-    from training.cdk.model import fit_raw_projections
+    from training.cdk.model.heads import fit_raw_projections
 
     rng = np.random.default_rng(0)
     s = rng.normal(size=(40, 6)) @ rng.normal(size=(6, 6)) + 3.0

@@ -13,14 +13,14 @@ from PIL import Image
 from tests.cdk.reference import cdk_matrix, rayleigh_quotients
 from training.cdk import finetune
 from training.cdk import train as train_mod
-from training.cdk.backbones import NATIVE_SIZE, bare_backbone, build_backbone
-from training.cdk.checkpoint import load_checkpoint
 from training.cdk.config import make_config
 from training.cdk.data import scan
-from training.cdk.embedder import Embedder
 from training.cdk.features import extract_features
 from training.cdk.finetune import STAGES, Split, StepImages
-from training.cdk.model import MODALITIES, Head, retrieval_embedding
+from training.cdk.model.backbones import NATIVE_SIZE, bare_backbone, build_backbone
+from training.cdk.model.checkpoint import load_checkpoint
+from training.cdk.model.embedder import Embedder
+from training.cdk.model.heads import MODALITIES, Head, retrieval_embedding
 from training.cdk.run import embed_features
 from training.cdk.train import TrainData
 from training.images import ImageError, images_to_tensor, load_image

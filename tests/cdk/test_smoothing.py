@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from training.cdk.metrics import retrieval_metrics, smoothed_metrics
-from training.cdk.smoothing import Smoothing, exact_neighbours, smooth
+from training.cdk.model.smoothing import Smoothing, exact_neighbours, smooth
 
 
 def _loop_neighbours(g: np.ndarray, k: int) -> np.ndarray:

@@ -6,8 +6,8 @@ import torch
 import torch.multiprocessing as mp
 
 from training.cdk import train as train_mod
-from training.cdk.checkpoint import load_checkpoint
 from training.cdk.config import make_config
+from training.cdk.model.checkpoint import load_checkpoint
 from training.cdk.train import TrainData
 
 from .ddp_worker import ddp_worker, synthetic_backbone, synthetic_data
@@ -204,7 +204,7 @@ def test_input_dropout_changes_training(tmp_path):
 
 
 def test_training_fits_and_stores_the_raw_projection(tmp_path):
-    from training.cdk.model import fit_raw_projections
+    from training.cdk.model.heads import fit_raw_projections
 
     data = synthetic_data()
     res = train_mod.train(_cfg(tmp_path, raw_dims=3, raw_weight=0.5), data,

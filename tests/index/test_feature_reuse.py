@@ -15,10 +15,10 @@ from index.build import build_index
 from index.gallery import cached_features, embed_photos, scan_gallery
 from index.store import load_index
 from tests.fakes import FakeEmbedder, make_gallery
-from training.cdk.backbones import build_backbone
-from training.cdk.embedder import Embedder
 from training.cdk.features import cache_key, extract_features, find_cached
-from training.cdk.smoothing import Smoothing
+from training.cdk.model.backbones import build_backbone
+from training.cdk.model.embedder import Embedder
+from training.cdk.model.smoothing import Smoothing
 from training.images import ImageError, load_image
 
 SIZE = 64  # the input size of the real_checkpoint fixture

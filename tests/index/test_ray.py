@@ -13,7 +13,7 @@ from index.gallery import scan_gallery  # noqa: E402
 from index.sharded import build_sharded  # noqa: E402
 from index.shards import load_vectors, plan_shards  # noqa: E402
 from index.store import load_index  # noqa: E402
-from training.cdk.embedder import Embedder  # noqa: E402
+from training.cdk.model.embedder import Embedder  # noqa: E402
 from training.images import load_image  # noqa: E402
 
 

@@ -13,7 +13,7 @@ from PIL import Image
 from index.gallery import scan_gallery
 from index.store import IndexMismatchError, load_index
 from tests.conftest import REPO
-from training.cdk.smoothing import Smoothing, smooth
+from training.cdk.model.smoothing import Smoothing, smooth
 from training.images import load_image
 
 
@@ -52,10 +52,10 @@ def test_an_index_of_hybrid_embeddings_equals_brute_force(tmp_path, hybrid_check
     # 8 modes then 8 raw coordinates: the index stores all 16 (smoothed with neighbours
     # found on all 16), `dims` <= 8 queries score the modes alone, 16 the whole vector
     from index.build import build_index
-    from training.cdk.embedder import Embedder
+    from training.cdk.model.embedder import Embedder
 
     e = Embedder.from_checkpoint(hybrid_checkpoint, device="cpu")
-    assert (e.modes, e.raw_dims, e.L) == (8, 8, 16)
+    assert (e.modes, e.raw_dims, e.width) == (8, 8, 16)
     report = build_index(e, small_gallery, tmp_path / "ix", hybrid_checkpoint, progress=False)
     assert report.sidecar.L == report.sidecar.dims == 16
     ix = load_index(tmp_path / "ix", checkpoint_sha256=e.checkpoint_sha256)
@@ -73,8 +73,8 @@ def test_an_index_of_hybrid_embeddings_equals_brute_force(tmp_path, hybrid_check
 
 
 def test_other_checkpoint_is_refused(tmp_path, real_index):
-    from training.cdk.checkpoint import init_checkpoint
-    from training.cdk.embedder import Embedder
+    from training.cdk.model.checkpoint import init_checkpoint
+    from training.cdk.model.embedder import Embedder
 
     other = init_checkpoint(tmp_path / "other.pt", L=8, hidden=16, image_size=64, seed=1,
                             raw_dims=0)

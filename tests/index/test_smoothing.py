@@ -13,7 +13,7 @@ from index.gallery import scan_gallery
 from index.smoothing import checkpoint_smoothing, faiss_neighbours, smooth_added
 from index.store import load_index
 from tests.fakes import FakeEmbedder, make_gallery
-from training.cdk.smoothing import Smoothing, exact_neighbours, smooth
+from training.cdk.model.smoothing import Smoothing, exact_neighbours, smooth
 
 
 def _photo_embeddings(embedder, folder):

@@ -10,14 +10,14 @@ import pytest
 import torch
 from PIL import Image
 
-import training.cdk.export as export
+import training.cdk.model.export as export
 from index.build import build_index
 from index.store import check_replaceable, load_index
 from service.engine import TorchEncoder, load_engine, pick_encoder
 from service.settings import Settings
-from training.cdk.checkpoint import init_checkpoint
-from training.cdk.embedder import Embedder
-from training.cdk.export import (
+from training.cdk.model.checkpoint import init_checkpoint
+from training.cdk.model.embedder import Embedder
+from training.cdk.model.export import (
     EncoderMismatchError,
     OnnxEncoder,
     encoder_path,
@@ -43,10 +43,10 @@ def sketch_batch(embedder, sketches: list[bytes]) -> torch.Tensor:
 def test_onnx_embeddings_equal_pytorch(real_embedder, onnx_model, small_sketches):
     batch = sketch_batch(real_embedder, small_sketches)
     onnx = OnnxEncoder(onnx_model, real_embedder.checkpoint_sha256)
-    assert (onnx.L, onnx.image_size) == (real_embedder.L, real_embedder.image_size)
+    assert (onnx.width, onnx.image_size) == (real_embedder.width, real_embedder.image_size)
     got = onnx(batch)
     want = TorchEncoder(real_embedder)(batch)
-    assert got.dtype == np.float32 and got.shape == want.shape == (6, real_embedder.L)
+    assert got.dtype == np.float32 and got.shape == want.shape == (6, real_embedder.width)
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
     np.testing.assert_allclose(onnx(batch[:1]), want[:1], atol=ATOL, rtol=RTOL)  # any batch
 
@@ -99,7 +99,7 @@ def test_unwritable_index_folder_serves_from_memory(tmp_path, real_embedder, onn
     monkeypatch.setattr(export, "atomic_write_bytes", refuse)
     with caplog.at_level(logging.WARNING):
         enc = load_or_export(real_embedder, tmp_path)
-    assert enc.L == real_embedder.L and "using it from memory" in caplog.text
+    assert enc.width == real_embedder.width and "using it from memory" in caplog.text
     assert not encoder_path(tmp_path, real_embedder.checkpoint_sha256).exists()
 
 
@@ -179,7 +179,7 @@ def test_single_view_queries_of_a_mirror_averaging_checkpoint(real_checkpoint, r
                                                              tmp_path):
     # the real checkpoint averages every image with its mirror image (the cpu preset);
     # --no-mirror-queries embeds sketches alone: the pooled features of the trunk alone
-    from training.cdk.backbones import global_pool
+    from training.cdk.model.backbones import global_pool
 
     assert real_embedder.flip_average and real_embedder.trained_flip_average
     single = Embedder.from_checkpoint(real_checkpoint, device="cpu", flip_average=False)

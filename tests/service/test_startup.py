@@ -31,7 +31,7 @@ def test_checkpoint_from_setting_then_sidecar_then_next_to_index(tmp_path, real_
 
 
 def test_startup_refuses_another_checkpoint(tmp_path, real_index, caplog):
-    from training.cdk.checkpoint import init_checkpoint
+    from training.cdk.model.checkpoint import init_checkpoint
 
     other = init_checkpoint(tmp_path / "other.pt", L=8, hidden=16, image_size=64, seed=2,
                             raw_dims=0)
@@ -55,7 +55,7 @@ def test_startup_with_an_incomplete_checkpoint_says_which_keys_are_missing(tmp_p
                                                                            caplog):
     import torch
 
-    from training.cdk.checkpoint import load_checkpoint
+    from training.cdk.model.checkpoint import load_checkpoint
 
     obj = load_checkpoint(real_checkpoint)
     del obj["head_arch"]

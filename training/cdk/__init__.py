@@ -1,3 +1,3 @@
 """Structured sketch/photo embeddings learned by NestedLoRA on the canonical dependence
 kernel (paper section 4.2). Entry point: ``python -m training.cdk``; embedding API:
-``training.cdk.embedder.Embedder``."""
+``training.cdk.model.embedder.Embedder``."""

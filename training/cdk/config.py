@@ -109,7 +109,7 @@ class Config:
     seed: int = 0
     # evaluation and output
     k: int = 10  # P@k; sketchy-mini has 25 photos per class, so P@10 there (paper: P@100)
-    # gallery smoothing (training/cdk/smoothing.py): each photo embedding averaged with its
+    # gallery smoothing (training/cdk/model/smoothing.py): each photo embedding averaged with its
     # smooth_k nearest gallery photos, smooth_rounds times, their mean weighted smooth_weight
     # against itself; chosen on the validation classes (README). Evaluation reports it beside
     # the plain embeddings, and index.build stores smoothed photos with these values.
@@ -179,8 +179,8 @@ def nesting_weights(cfg: Config):
 
 
 def smoothing(cfg: Config):
-    """The gallery smoothing of ``cfg`` (training.cdk.smoothing.Smoothing)."""
-    from .smoothing import Smoothing  # local: keep config import light
+    """The gallery smoothing of ``cfg`` (training.cdk.model.smoothing.Smoothing)."""
+    from .model.smoothing import Smoothing  # local: keep config import light
 
     return Smoothing(cfg.smooth_k, cfg.smooth_weight, cfg.smooth_rounds)
 
@@ -198,7 +198,7 @@ def _check(cfg: Config) -> Config:
                          f"only, not {cfg.method!r}")
     if cfg.pairing not in PAIRINGS:
         raise ValueError(f"pairing must be one of {PAIRINGS}, got {cfg.pairing!r}")
-    from .backbones import BACKBONES, check_pooling  # local: keep config import light
+    from .model.backbones import BACKBONES, check_pooling  # local: keep config import light
 
     if cfg.backbone not in BACKBONES:
         raise ValueError(f"backbone must be one of {sorted(BACKBONES)}, got {cfg.backbone!r}")
@@ -226,7 +226,7 @@ def _check(cfg: Config) -> Config:
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)!r}")
     if cfg.image_size == 0:  # resolved here, so every consumer and checkpoint sees the size
-        from .backbones import NATIVE_SIZE
+        from .model.backbones import NATIVE_SIZE
 
         cfg = dataclasses.replace(cfg, image_size=NATIVE_SIZE[cfg.backbone])
     if cfg.finetune:

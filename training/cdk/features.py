@@ -21,7 +21,7 @@ from training.device import pick_device
 from training.files import atomic_save
 from training.images import images_to_tensor, load_image
 
-from .backbones import Backbone, weights_fingerprint
+from .model.backbones import Backbone, weights_fingerprint
 
 __all__ = ["extract_features", "cache_key", "cached_tensor", "find_cached"]
 

@@ -19,8 +19,8 @@ from tqdm import tqdm
 
 from training.images import ImageError, images_to_tensor, load_image
 
-from .backbones import Backbone
 from .features import cache_key, cached_tensor
+from .model.backbones import Backbone
 
 __all__ = ["STAGES", "Split", "set_train_mode", "validate_images", "StepImages",
            "step_loader", "trunk_cache"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .smoothing import smooth
+from .model.smoothing import smooth
 
 __all__ = ["spectrum_order", "heldout_order", "retrieval_metrics", "structure_curves",
            "orthogonality_stats", "power_of_two_dims", "cosine_scores_metrics", "pca_curves",
@@ -111,7 +111,7 @@ def structure_curves(f, g, q_labels, g_labels, k: int) -> dict:
 
 
 def smoothed_metrics(f, g, q_labels, g_labels, k: int, smoothing) -> dict | None:
-    """Retrieval against the smoothed gallery (training.cdk.smoothing), as index.build
+    """Retrieval against the smoothed gallery (training.cdk.model.smoothing), as index.build
     stores it: {"config", "map_all", "precision_at_k", "k", "map_by_dims",
     "precision_by_dims"}. The gallery is smoothed once with all L modes (neighbours found
     in the full embedding) and the d-mode numbers score its d-dim prefixes: what a

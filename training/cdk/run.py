@@ -15,7 +15,6 @@ import torch
 from training.files import atomic_write_text
 
 from . import distributed
-from .backbones import Backbone, build_backbone, with_flip_average
 from .config import Config, sketch_flip_average, smoothing, to_dict
 from .data import Dataset, scan
 from .features import extract_features
@@ -28,9 +27,10 @@ from .metrics import (
     spectrum_order,
     structure_curves,
 )
-from .model import embedding
+from .model.backbones import Backbone, build_backbone, with_flip_average
+from .model.heads import embedding
+from .model.smoothing import smooth
 from .plots import plot_gallery, plot_spectrum, plot_structure
-from .smoothing import smooth
 from .splits import split_classes
 from .train import TrainData, TrainResult, train
 from .views import view_features

@@ -24,14 +24,14 @@ from torch.utils.data import DataLoader
 from training.device import pick_device
 
 from ..loss import cdk_loss, cdk_singular_values, nesting_masks, singular_values
-from .backbones import Backbone
-from .checkpoint import load_checkpoint, save_checkpoint
 from .config import NESTING_OF, RUNTIME_FIELDS, Config, nesting_weights, to_dict
 from .data import PairSampler
 from .distributed import barrier, gather_rows, rank_and_world
 from .finetune import Split, StepImages, set_train_mode, step_loader, trunk_cache, validate_images
 from .metrics import heldout_order, spectrum_order
-from .model import MODALITIES, Head, RawProjection, fit_raw_projections
+from .model.backbones import Backbone
+from .model.checkpoint import load_checkpoint, save_checkpoint
+from .model.heads import MODALITIES, Head, RawProjection, fit_raw_projections
 
 __all__ = ["TrainData", "TrainResult", "train"]
 

@@ -13,9 +13,9 @@ from tqdm import tqdm
 
 from training.device import pick_device
 
-from .backbones import Backbone
 from .features import cache_key, cached_tensor
 from .finetune import StepImages
+from .model.backbones import Backbone
 
 __all__ = ["view_features"]
 

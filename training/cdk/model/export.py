@@ -29,16 +29,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from training.cdk.model import embedding
 from training.files import atomic_write_bytes
+
+from .heads import embedding
 
 __all__ = ["EncoderMismatchError", "OnnxEncoder", "encoder_path", "export_encoder",
            "load_or_export"]
 
 log = logging.getLogger(__name__)
 
-FORMAT = "sketchsvd-encoder-1"  # bump when the graph's inputs, outputs or meaning change
-INPUT, OUTPUT = "images", "embedding"  # (N, 3, S, S) normalised images -> (N, L)
+FORMAT = "sketchsvd-encoder-2"  # bump when the graph's inputs, outputs or meaning change
+INPUT, OUTPUT = "images", "embedding"  # (N, 3, S, S) normalised images -> (N, width)
 MAX_BATCH = 1024  # the exported batch axis is dynamic up to this
 
 
@@ -54,12 +55,12 @@ class _Encoder(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = self.backbone(images)
-        return embedding(self.head(x), x, self.unit, self.raw)  # (N, L)
+        return embedding(self.head(x), x, self.unit, self.raw)  # (N, width)
 
 
 def export_encoder(embedder, modality: str = "sketch") -> bytes:
     """The `modality` encoder of `embedder` (a training.cdk Embedder) as ONNX model bytes,
-    with the checkpoint hash, modality, L and image size in its metadata."""
+    with the checkpoint hash, modality, width and image size in its metadata."""
     modules = embedder.modules(modality)  # (backbone, head) on the embedder's device
     unit = embedder.unit_embeddings
     raw = embedder.raw_projection(modality)
@@ -72,7 +73,7 @@ def export_encoder(embedder, modality: str = "sketch") -> bytes:
                                 dynamic_shapes=({0: batch},), dynamo=True, verbose=False)
     program.model.metadata_props.update({
         "format": FORMAT, "checkpoint_sha256": embedder.checkpoint_sha256,
-        "modality": modality, "L": str(embedder.L), "image_size": str(size),
+        "modality": modality, "width": str(embedder.width), "image_size": str(size),
         "flip_average": str(bool(getattr(embedder, "flip_average", False))),
         "unit_embeddings": str(unit),
     })
@@ -93,7 +94,7 @@ def _single_view(embedder) -> bool:
 
 class OnnxEncoder:
     """An exported encoder run by ONNX Runtime on the CPU: (N, 3, S, S) float32 images ->
-    (N, L) float32 embeddings. `__call__` may be called from several threads at once; each
+    (N, width) float32 embeddings. `__call__` may be called from several threads at once; each
     call computes on `threads` threads."""
 
     name = "onnxruntime"
@@ -126,7 +127,7 @@ class OnnxEncoder:
                 + ", ".join(f"{k}={expected[k]!r}" for k in wrong)
                 + ". Delete the file to have it exported again from the checkpoint"
             )
-        self.L = int(meta["L"])
+        self.width = int(meta["width"])
         self.image_size = int(meta["image_size"])
         self.source = source
 

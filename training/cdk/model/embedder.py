@@ -22,10 +22,10 @@ from PIL import Image
 from training.device import pick_device
 from training.images import images_to_tensor
 
+from ..config import from_dict
 from .backbones import Backbone, bare_backbone, with_flip_average
 from .checkpoint import read_checkpoint
-from .config import from_dict
-from .model import MODALITIES, Head, RawProjection, embedding
+from .heads import MODALITIES, Head, RawProjection, embedding
 
 __all__ = ["Embedder"]
 
@@ -90,7 +90,7 @@ class Embedder:
             self._raw = {m: RawProjection(raw["mean"][m], raw["axes"], float(raw["weight"]))
                          .to(self.device) for m in MODALITIES}
         self.raw_dims: int = 0 if self._raw is None else self._raw["sketch"].dims
-        self.L: int = self.modes + self.raw_dims
+        self.width: int = self.modes + self.raw_dims
 
         self._backbones: dict[str, Backbone] = {}
         shared = ckpt["backbones"]["sketch"] is ckpt["backbones"]["photo"]
@@ -161,7 +161,7 @@ class Embedder:
         return self.head(self.backbone_features(batch, modality), modality)
 
     def modules(self, modality: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-        """The (backbone, head) modules of `modality`, e.g. for export (training.cdk.export);
+        """The (backbone, head) modules of `modality`, e.g. for export (training.cdk.model.export);
         the head returns the learned functions (``head`` also applies ``unit_embeddings``
         and appends ``raw_projection``'s coordinates)."""
         _check_modality(modality)
@@ -178,7 +178,7 @@ class Embedder:
         _check_modality(modality)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        out = [np.zeros((0, self.L), dtype=np.float32)]
+        out = [np.zeros((0, self.width), dtype=np.float32)]
         for i in range(0, len(images), batch_size):
             x = self.preprocess(images[i : i + batch_size], modality)
             z = self.encode(x, modality)

@@ -28,9 +28,9 @@ from torch import nn
 
 from training.files import atomic_save
 
+from ..config import make_config, to_dict
 from .backbones import Backbone, build_backbone
-from .config import make_config, to_dict
-from .model import MODALITIES, Head, RawProjection
+from .heads import MODALITIES, Head, RawProjection
 
 __all__ = ["FORMAT", "VERSION", "save_checkpoint", "read_checkpoint", "load_checkpoint",
            "init_checkpoint"]
