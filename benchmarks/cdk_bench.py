@@ -31,6 +31,9 @@ from training.files import atomic_write_text
 
 METHODS = ("lora", "neuralsvd-seq", "neuralsvd-jnt")
 FRACTION_DIMS = (16, 32, 64, 128)
+# --smoke: the overrides that make a run take seconds on small data
+SMOKE = {"modes": 4, "hidden": 16, "epochs": 2, "batch_size": 6, "image_size": 32, "k": 2,
+         "gallery_queries": 2, "gallery_topk": 2}
 
 
 def _ms(values) -> str:
@@ -61,7 +64,10 @@ def main(argv=None) -> int:
     p.add_argument("--split", default="sketchy2")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--smoke", action="store_true",
+                   help="small heads, images and run: checks the benchmark, measures nothing")
     a = p.parse_args(argv)
+    smoke = SMOKE if a.smoke else {}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     out = Path(a.out)
 
@@ -72,7 +78,7 @@ def main(argv=None) -> int:
             run_dir = out / f"{name.replace(', ', '-').replace(' ', '-')}-seed{seed}"
             shutil.rmtree(run_dir, ignore_errors=True)  # time a fresh run, never a resume
             cfg = make_config(a.preset, data=a.data, split=a.split, seed=seed,
-                              out=str(run_dir), threads=a.threads, **over)
+                              out=str(run_dir), threads=a.threads, **over, **smoke)
             t0 = time.perf_counter()
             m = run(cfg)
             m["wall_seconds"] = time.perf_counter() - t0

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     ckpt = args.checkpoint or init_checkpoint(REPO / "runs" / "bench" / "encoder-ckpt.pt",
-                                              backbone="efficientnet-lite1", L=256,
+                                              backbone="efficientnet-lite1", modes=256,
                                               hidden=1024, image_size=240)
     embedder = Embedder.from_checkpoint(ckpt, device="cpu")
     t0 = time.perf_counter()

@@ -87,7 +87,7 @@ def prepare_index(out: Path) -> Path:
     from training.cdk.model.checkpoint import init_checkpoint
     from training.cdk.model.embedder import Embedder
 
-    ckpt = init_checkpoint(out / "checkpoint.pt", L=16, hidden=64, image_size=224)
+    ckpt = init_checkpoint(out / "checkpoint.pt", modes=16, hidden=64, image_size=224)
     photos = make_gallery(out / "photos", classes=3, per_class=5, size=64)
     build_index(Embedder.from_checkpoint(ckpt, device="cpu"), photos, out / "index", ckpt,
                 progress=False)

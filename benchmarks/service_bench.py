@@ -69,8 +69,8 @@ def prepare_index(out: Path, data: Path, classes: int | None, flip_average: bool
                 copy = photos / cls / f.name
                 if not copy.exists():
                     shutil.copyfile(f, copy)
-    ckpt = init_checkpoint(out / "checkpoint.pt", backbone="efficientnet-lite1", L=256,
-                           hidden=1024, image_size=240, flip_average=flip_average)
+    ckpt = init_checkpoint(out / "checkpoint.pt", backbone="efficientnet-lite1", modes=256,
+                           hidden=1024, image_size=240, photo_flip_average=flip_average)
     build_index(Embedder.from_checkpoint(ckpt, device="cpu"), photos, out / "index", ckpt)
     return out / "index"
 

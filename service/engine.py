@@ -274,7 +274,7 @@ def load_engine(settings: Settings) -> RetrievalEngine:
     set_threads(settings.threads)
     checkpoint = find_checkpoint(settings)
     embedder = Embedder.from_checkpoint(checkpoint, device=settings.device,
-                                        flip_average=settings.mirror_queries)
+                                        sketch_flip_average=settings.mirror_queries)
     gallery = load_index(settings.index, checkpoint_sha256=embedder.checkpoint_sha256, mmap=True)
     if gpu_available() and gallery.sidecar.kind in ("flat", "ivf"):
         # HNSW has no GPU version in FAISS; GPU indexes are not thread-safe, and requests

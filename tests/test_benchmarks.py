@@ -1,7 +1,9 @@
 """Every benchmark script imports and parses its command line (they are run by hand, so a
-renamed import would otherwise only show up when someone runs them)."""
+renamed import would otherwise only show up when someone runs them), and the training
+benchmarks run end to end in their smoke mode on a tiny generated data set."""
 
 import importlib
+import json
 import pkgutil
 
 import pytest
@@ -42,26 +44,22 @@ def test_similar_class_pairing_draws_and_moments_follow_its_matrix():
     torch.testing.assert_close(T.diagonal(), torch.full((4,), 0.7, dtype=T.dtype))
 
     sketch_labels, photo_labels = np.arange(20) % 4, np.arange(12) % 4
-    SimilarClassSampler.T = T
-    try:
-        sampler = SimilarClassSampler(sketch_labels, photo_labels)
-        counts = torch.zeros(4, 4)
-        for epoch in range(400):
-            for s, p in sampler.epoch(0, epoch, 10):
-                counts.index_put_((torch.as_tensor(sketch_labels)[s],
-                                   torch.as_tensor(photo_labels)[p]), torch.ones(len(s)),
-                                  accumulate=True)
-        freq = counts / counts.sum(1, keepdim=True)  # 2,000 draws per class
-        assert (freq - T.float()).abs().max() < 0.04
-        f, g = torch.randn(20, 3, generator=gen), torch.randn(12, 3, generator=gen)
-        want = torch.zeros(3, dtype=torch.float64)
-        for i in range(20):
-            for j in range(12):
-                c, d = sketch_labels[i], photo_labels[j]
-                want += f[i].double() * g[j].double() * T[c, d] / (photo_labels == d).sum()
-        torch.testing.assert_close(sampler.joint_moment(f, g), want / 20)
-    finally:
-        SimilarClassSampler.T = None
+    sampler = SimilarClassSampler(sketch_labels, photo_labels, T)
+    counts = torch.zeros(4, 4)
+    for epoch in range(400):
+        for s, p in sampler.epoch(0, epoch, 10):
+            counts.index_put_((torch.as_tensor(sketch_labels)[s],
+                               torch.as_tensor(photo_labels)[p]), torch.ones(len(s)),
+                              accumulate=True)
+    freq = counts / counts.sum(1, keepdim=True)  # 2,000 draws per class
+    assert (freq - T.float()).abs().max() < 0.04
+    f, g = torch.randn(20, 3, generator=gen), torch.randn(12, 3, generator=gen)
+    want = torch.zeros(3, dtype=torch.float64)
+    for i in range(20):
+        for j in range(12):
+            c, d = sketch_labels[i], photo_labels[j]
+            want += f[i].double() * g[j].double() * T[c, d] / (photo_labels == d).sum()
+    torch.testing.assert_close(sampler.joint_moment(f, g), want / 20)
 
 
 def test_levers_folds_hold_out_each_non_test_class_once():
@@ -77,3 +75,87 @@ def test_levers_folds_hold_out_each_non_test_class_once():
         assert not set(parts["train"]) & set(parts["valid"])
     (name, parts), = folds_of({"classes": classes}, "sketchy2", 0, None)
     assert name == "valid" and len(parts["valid"]) == 10
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """7 classes of 4 generated sketch/photo pairs (dark strokes on white; colour fields)
+    and a split file naming 2 test classes: 5 others, 2 of which the split holds out for
+    validation."""
+    import numpy as np
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("tiny")
+    rng = np.random.default_rng(0)
+    classes = [f"class{c}" for c in range(7)]
+    for c, name in enumerate(classes):
+        for mod in ("sketch", "photo"):
+            (root / mod / name).mkdir(parents=True)
+        for i in range(4):
+            sketch = np.full((40, 40, 3), 255, np.uint8)
+            r = int(rng.integers(4, 30))
+            sketch[r : r + 3, 4 + c : 36] = 0
+            sketch[4:36, (r + 5 * c) % 34 : (r + 5 * c) % 34 + 3] = 0
+            photo = (rng.random((40, 40, 3)) * 60).astype(np.uint8)
+            photo[..., c % 3] += 40 * (1 + c // 3)
+            Image.fromarray(sketch).save(root / "sketch" / name / f"{name}{i}-1.png")
+            Image.fromarray(photo).save(root / "photo" / name / f"{name}{i}.png")
+    split = root / "split.txt"
+    split.write_text("class5\nclass6\n")
+    return root, split
+
+
+def test_loss_bench_smoke(capsys):
+    from benchmarks import loss_bench
+
+    loss_bench.main(["--smoke", "--device", "cpu"])
+    assert capsys.readouterr().out.count("speed-up") == 2  # CDK and EVD
+
+
+def test_cdk_bench_smoke(tiny_data, tmp_path, capsys):
+    from benchmarks import cdk_bench
+
+    root, split = tiny_data
+    assert cdk_bench.main(["--smoke", "--data", str(root), "--split", str(split), "--out",
+                           str(tmp_path)]) == 0
+    table = (tmp_path / "table.md").read_text()
+    for row in ("(b) lora", "(c) neuralsvd-seq", "(d) neuralsvd-jnt"):
+        assert row in table
+
+
+def test_cdk_finetune_bench_smoke(tiny_data, tmp_path):
+    from benchmarks import cdk_finetune_bench
+
+    root, split = tiny_data
+    assert cdk_finetune_bench.main(["--smoke", "--data", str(root), "--split", str(split),
+                                    "--out", str(tmp_path), "--variants", "frozen-lite0",
+                                    "finetune-lite0"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["frozen-lite0", "finetune-lite0"]
+    assert [r["config"]["finetune"] for r in rows] == [False, True]
+    assert {r["config"]["backbone"] for r in rows} == {"efficientnet-lite0"}
+
+
+def test_cdk_step_bench_smoke(tiny_data, capsys):
+    from benchmarks import cdk_step_bench
+
+    root, split = tiny_data
+    cdk_step_bench.main(["--smoke", "--data", str(root), "--split", str(split), "--batches",
+                         "4", "--stages", "1", "--steps", "1", "--warmup", "0",
+                         "--cache-images", "4"])
+    out = capsys.readouterr().out
+    assert out.count("trunk cache") == 1 and out.count("trunk no_grad + aug") == 3
+
+
+def test_cdk_levers_bench_smoke(tiny_data, tmp_path, capsys):
+    from benchmarks import cdk_levers_bench
+
+    root, split = tiny_data
+    variants = ["preset", "preset, similar-class pairing 0.3", "preset, nesting weights 1/l^2"]
+    assert cdk_levers_bench.main(["--smoke", "--data", str(root), "--split", str(split),
+                                  "--out", str(tmp_path), "--threads", "1",
+                                  "--variants", *variants]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["variant"] for r in rows] == variants
+    # the variants passed their own sampler and weights: different training, same data
+    assert len({r["max_swap_top32"] for r in rows}) == len({r["valid_map"] for r in rows}) == 3

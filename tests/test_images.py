@@ -168,7 +168,7 @@ def test_training_and_index_embed_a_transparent_photo_alike(tmp_path):
     from training.cdk.model.checkpoint import init_checkpoint, load_checkpoint
     from training.cdk.model.embedder import Embedder
 
-    ckpt = init_checkpoint(tmp_path / "c.pt", L=16, hidden=64)
+    ckpt = init_checkpoint(tmp_path / "c.pt", modes=16, hidden=64)
     e = Embedder.from_checkpoint(ckpt, device="cpu")
     rng = np.random.default_rng(0)
     rgba = rng.integers(0, 255, (40, 48, 4), dtype=np.uint8)
@@ -177,7 +177,7 @@ def test_training_and_index_embed_a_transparent_photo_alike(tmp_path):
     photo.parent.mkdir(parents=True)
     Image.fromarray(rgba, mode="RGBA").save(photo)
 
-    bb = bare_backbone(e.backbone, e.flip_average, e.pooling)  # as training builds it
+    bb = bare_backbone(e.backbone, e.photo_flip_average, e.pooling)  # as training builds it
     bb.module.load_state_dict(load_checkpoint(ckpt)["backbones"]["photo"])
     feats = extract_features([photo], bb, e.image_size, None, device="cpu")  # (1, D)
     trained = e.head(feats, "photo").numpy()  # (1, L)

@@ -26,7 +26,7 @@ def info(engine: EngineDep, settings: SettingsDep) -> InfoOut:
         checkpoint_sha256=side.checkpoint_sha256,
         backbone=engine.embedder.backbone,
         encoder=engine.encoder.name,
-        mirror_queries=engine.embedder.flip_average,
+        mirror_queries=engine.embedder.sketch_flip_average,
         gallery_smoothing=side.smoothing,
         L=engine.embedder.width,
         modes=engine.embedder.modes,

@@ -76,7 +76,7 @@ def test_other_checkpoint_is_refused(tmp_path, real_index):
     from training.cdk.model.checkpoint import init_checkpoint
     from training.cdk.model.embedder import Embedder
 
-    other = init_checkpoint(tmp_path / "other.pt", L=8, hidden=16, image_size=64, seed=1,
+    other = init_checkpoint(tmp_path / "other.pt", modes=8, hidden=16, image_size=64, seed=1,
                             raw_dims=0)
     sha = Embedder.from_checkpoint(other, device="cpu").checkpoint_sha256
     with pytest.raises(IndexMismatchError, match="was built from checkpoint sha256"):

@@ -116,7 +116,6 @@ def test_smooth_added_reads_every_in_memory_kind(kind):
 
 
 def test_checkpoint_smoothing_defaults_and_overrides():
-    assert checkpoint_smoothing({"L": 8}) == Smoothing(k=0)  # before smoothing existed
     own = {"smooth_k": 10, "smooth_weight": 4.0, "smooth_rounds": 2}
     assert checkpoint_smoothing(own) == Smoothing(10, 4.0, 2)
     assert checkpoint_smoothing(own, k=0) == Smoothing(0, 4.0, 2)

@@ -124,7 +124,7 @@ def test_service_refuses_a_planted_encoder(tmp_path, real_index, real_checkpoint
     index = tmp_path / "index"
     shutil.copytree(real_index, index)
     sha = Embedder.from_checkpoint(real_checkpoint, device="cpu").checkpoint_sha256
-    other = init_checkpoint(tmp_path / "other.pt", L=8, hidden=16, image_size=64, seed=1,
+    other = init_checkpoint(tmp_path / "other.pt", modes=8, hidden=16, image_size=64, seed=1,
                             raw_dims=0)
     planted = export_encoder(Embedder.from_checkpoint(other, device="cpu"))
     encoder_path(index, sha).parent.mkdir(parents=True, exist_ok=True)
@@ -142,7 +142,7 @@ def sketchy_index(tmp_path_factory, sketchy_mini):
     classes = sorted(p.name for p in (sketchy_mini / "photo").iterdir())[:20]
     for cls in classes:
         shutil.copytree(sketchy_mini / "photo" / cls, photos / cls)
-    ckpt = init_checkpoint(work / "checkpoint.pt", L=64, hidden=64, image_size=96)
+    ckpt = init_checkpoint(work / "checkpoint.pt", modes=64, hidden=64, image_size=96)
     embedder = Embedder.from_checkpoint(ckpt, device="cpu")
     build_index(embedder, photos, work / "index", ckpt, progress=False)
     return embedder, work / "index", classes
@@ -181,9 +181,9 @@ def test_single_view_queries_of_a_mirror_averaging_checkpoint(real_checkpoint, r
     # --no-mirror-queries embeds sketches alone: the pooled features of the trunk alone
     from training.cdk.model.backbones import global_pool
 
-    assert real_embedder.flip_average and real_embedder.trained_flip_average
-    single = Embedder.from_checkpoint(real_checkpoint, device="cpu", flip_average=False)
-    assert not single.flip_average and single.trained_flip_average
+    assert real_embedder.sketch_flip_average and real_embedder.trained_sketch_flip_average
+    single = Embedder.from_checkpoint(real_checkpoint, device="cpu", sketch_flip_average=False)
+    assert not single.sketch_flip_average and single.trained_sketch_flip_average
     batch = sketch_batch(single, small_sketches)
     trunk = single.backbone_of("sketch").module.trunk
     with torch.no_grad():
@@ -204,4 +204,4 @@ def test_single_view_queries_of_a_mirror_averaging_checkpoint(real_checkpoint, r
     # the service setting reaches the engine and /info
     engine = load_engine(Settings(index=index, checkpoint=real_checkpoint,
                                   mirror_queries=False, encoder="torch"))
-    assert not engine.embedder.flip_average
+    assert not engine.embedder.sketch_flip_average

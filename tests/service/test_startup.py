@@ -33,7 +33,7 @@ def test_checkpoint_from_setting_then_sidecar_then_next_to_index(tmp_path, real_
 def test_startup_refuses_another_checkpoint(tmp_path, real_index, caplog):
     from training.cdk.model.checkpoint import init_checkpoint
 
-    other = init_checkpoint(tmp_path / "other.pt", L=8, hidden=16, image_size=64, seed=2,
+    other = init_checkpoint(tmp_path / "other.pt", modes=8, hidden=16, image_size=64, seed=2,
                             raw_dims=0)
     app = create_app(Settings(index=real_index, checkpoint=other))
     with pytest.raises(IndexMismatchError, match="was built from checkpoint sha256"):

@@ -74,7 +74,7 @@ def export_encoder(embedder, modality: str = "sketch") -> bytes:
     program.model.metadata_props.update({
         "format": FORMAT, "checkpoint_sha256": embedder.checkpoint_sha256,
         "modality": modality, "width": str(embedder.width), "image_size": str(size),
-        "flip_average": str(bool(getattr(embedder, "flip_average", False))),
+        "flip_average": str(bool(embedder.sketch_flip_average)),
         "unit_embeddings": str(unit),
     })
     return program.model_proto.SerializeToString()
@@ -89,7 +89,7 @@ def encoder_path(index: str | Path, checkpoint_sha256: str, modality: str = "ske
 
 
 def _single_view(embedder) -> bool:
-    return bool(getattr(embedder, "trained_flip_average", False)) and not embedder.flip_average
+    return bool(embedder.trained_sketch_flip_average) and not embedder.sketch_flip_average
 
 
 class OnnxEncoder:
@@ -144,7 +144,7 @@ def load_or_export(embedder, index: str | Path, threads: int = 1,
     gets an encoder exported into memory, with a warning: nothing is lost but the start-up
     time of the next start."""
     path = encoder_path(index, embedder.checkpoint_sha256, modality, _single_view(embedder))
-    sha, flip = embedder.checkpoint_sha256, bool(getattr(embedder, "flip_average", False))
+    sha, flip = embedder.checkpoint_sha256, bool(embedder.sketch_flip_average)
     if path.is_file():
         log.info("%s encoder from %s", modality, path)
         return OnnxEncoder(path, sha, modality, threads, source=str(path), flip_average=flip)
