@@ -178,9 +178,7 @@ def _thicken(im):
 def load_features(data: str, out: Path, backbone: str) -> dict:
     path = out / "features.pt"
     if path.is_file():
-        feats = torch.load(path, weights_only=False)
-        if "gem" in feats["photo"]:  # files of earlier code lack it: recomputed
-            return feats
+        return torch.load(path, weights_only=False)
     ds = scan(data)
     bb = build_backbone(backbone)
     size = BACKBONES[backbone].native_size

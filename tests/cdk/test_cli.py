@@ -62,7 +62,7 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
     # before the first step: the preset and why, and the run's estimated time
     lines = printed.splitlines()
     assert lines[0].startswith("preset cpu (no --preset given): the default")
-    assert lines[1].startswith("estimated time: ") and "steps x" in lines[1]
+    assert lines[1].startswith("estimated time from here: ") and "steps x" in lines[1]
     assert json.loads((out / "config.json").read_text())["modes"] == 4
     m = json.loads((out / "metrics.json").read_text())
     for key in ("map_all", "precision_at_k", "k", "map_by_dims", "singular_values"):

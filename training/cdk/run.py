@@ -64,11 +64,12 @@ def run(cfg: Config, say: Callable[[str], None] = log.info) -> dict:
     tr_s, tr_p = distributed.main_first(
         lambda: (_features(cfg, bbs["sketch"], tr.sketches, "train sketches", device),
                  _features(cfg, bb, tr.photos, "train photos", device)))
-    per_image = (time.perf_counter() - t0) / max(1, len(tr.sketches) + len(tr.photos))
-    others = sum(len(d.sketches) + len(d.photos) for d in (va, te))
+    later = _evaluation_features_first(cfg, bbs, (va, te), device)
+    per_image = (time.perf_counter() - t0) / max(1, len(tr.sketches) + len(tr.photos) + (
+        0 if later else sum(len(d.sketches) + len(d.photos) for d in (va, te))))
     t0 = time.perf_counter()
     res = train(cfg, _train_data(cfg, tr, tr_s, tr_p), bb, out, device=device,
-                estimate=lambda *a: say(estimate_text(*a, others * per_image)))
+                estimate=lambda *a: say(estimate_text(*a, later * per_image)))
     train_seconds = time.perf_counter() - t0
     if distributed.rank_and_world()[0] != 0:
         distributed.shutdown()  # waits for rank 0's evaluation
@@ -79,17 +80,32 @@ def run(cfg: Config, say: Callable[[str], None] = log.info) -> dict:
     return metrics
 
 
+def _evaluation_features_first(cfg: Config, bbs: dict, sets, device) -> int:
+    """Frozen backbones with a feature cache: the validation and test images' features
+    computed now (evaluation then reads them from the cache), so that what remains after
+    the first step can be estimated. Returns how many images are left for evaluation to
+    embed with its backbones (fine-tuned ones, or no cache to keep them in)."""
+    count = sum(len(d.sketches) + len(d.photos) for d in sets)
+    if cfg.finetune or not cfg.cache_dir:
+        return count
+    for d, name in zip(sets, ("valid", "test"), strict=True):
+        distributed.main_first(lambda d=d, name=name: [
+            _features(cfg, bbs[m], files, f"{name} {m}s", device)
+            for m, files in (("sketch", d.sketches), ("photo", d.photos))])
+    return 0
+
+
 def estimate_text(steps: int, step_s: float, epochs: int, spectrum_s: float,
                   features_s: float) -> str:
-    """The run's time before its first step: training from a step and a spectrum pass
-    measured on this machine, the validation and test images' features at the rate the
-    training images' took (0 when they came from the cache; evaluation's own arithmetic is
-    small beside them)."""
+    """The run's time after its features, before its first step: training from a step and
+    a spectrum pass measured on this machine, and the evaluation images still to embed at
+    the rate the features took (none left on the frozen path with a cache; evaluation's
+    own arithmetic is small beside them)."""
     train_s = steps * step_s + epochs * spectrum_s
-    return (f"estimated time: {_duration(train_s + features_s)} (training "
+    return (f"estimated time from here: {_duration(train_s + features_s)} (training "
             f"{_duration(train_s)}: {steps} steps x {step_s:.3f} s and {epochs} spectrum "
             f"passes x {spectrum_s:.3f} s, measured here; evaluation features "
-            f"{_duration(features_s)}, at the training images' rate)")
+            f"{_duration(features_s)})")
 
 
 def _duration(seconds: float) -> str:
