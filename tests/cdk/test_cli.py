@@ -189,7 +189,8 @@ def test_cli_paper_preset_says_it_does_not_fit_and_writes_its_config(tiny, tmp_p
     printed = capsys.readouterr()
     assert printed.out.startswith("preset paper (chosen): the paper's setting")
     [warning] = [line for line in printed.err.splitlines() if "WARNING" in line]
-    assert "preset paper does not fit these data" in warning and "10 in all" in warning
+    assert "preset paper (batch 4096, 10 epochs) does not fit these data" in warning
+    assert "10 in all" in warning
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["preset"], cfg["smooth_k"], cfg["batch_size"], cfg["backbone"]) == (
         "paper", 0, 4096, "vgg16")

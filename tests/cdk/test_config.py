@@ -65,7 +65,8 @@ def test_a_preset_that_does_not_fit_the_data_is_named():
 
     # sketchy-mini split 2: 2,350 training sketches
     [line] = fit_warnings(make_config("paper"), 2350)
-    assert "preset paper does not fit" in line and "1 step(s) an epoch, 10 in all" in line
+    assert "preset paper (batch 4096, 10 epochs) does not fit these data" in line
+    assert "1 step(s) an epoch, 10 in all" in line and "--preset cpu" in line
     assert fit_warnings(make_config("cpu"), 2350) == []  # 4 steps an epoch, 800 in all
     assert fit_warnings(make_config("paper"), 60_000) == []  # full Sketchy: 140 steps
 

@@ -175,10 +175,12 @@ def fit_warnings(cfg: Config, sketches: int) -> list[str]:
     per_epoch = max(1, sketches // cfg.batch_size)
     if per_epoch * cfg.epochs >= MIN_STEPS:
         return []
-    return [f"preset {cfg.preset} does not fit these data: batch {cfg.batch_size} on "
-            f"{sketches} training sketches is {per_epoch} step(s) an epoch, "
-            f"{per_epoch * cfg.epochs} in all (fewer than {MIN_STEPS} do not train the heads); "
-            "use --preset cpu, or a smaller --batch-size or more --epochs"]
+    fix = "a smaller --batch-size or more --epochs" + (
+        "" if cfg.preset == DEFAULT_PRESET else f", or --preset {DEFAULT_PRESET}")
+    return [f"preset {cfg.preset} (batch {cfg.batch_size}, {cfg.epochs} epochs) does not fit "
+            f"these data: {sketches} training sketches make {per_epoch} step(s) an epoch, "
+            f"{per_epoch * cfg.epochs} in all (fewer than {MIN_STEPS} do not train the "
+            f"heads); pass {fix}"]
 
 
 def nesting_weights(cfg: Config):
