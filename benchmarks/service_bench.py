@@ -164,7 +164,7 @@ def run_server(index: Path, encoder: str, args, bodies: list[bytes]) -> dict:
         info = httpx.get(base + "/info").json()
         dims = args.dims or info["available_dims"]["max"]
         print(f"\n[{info['encoder']}] index {index}: {info['gallery_size']} photos, "
-              f"{info['backbone']}, L={info['L']}, dims={dims}, k={args.k}, "
+              f"{info['backbone']}, width={info['width']}, dims={dims}, k={args.k}, "
               f"{os.cpu_count()} CPUs, server threads={args.threads} slots={args.slots}")
         asyncio.run(load(base, bodies, 2, 8, dims, args.k))  # warm-up
         print(f"{'conc':>4} {'reqs':>5} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7} {'errors':>6}")

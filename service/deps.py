@@ -9,7 +9,7 @@ from typing import Annotated
 from anyio import CapacityLimiter
 from fastapi import Depends, HTTPException, Request
 
-from service.engine import RetrievalEngine
+from service.retrieval import RetrievalEngine
 from service.settings import Settings
 
 

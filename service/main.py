@@ -13,16 +13,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from fastapi.staticfiles import StaticFiles
 
-from service.engine import RetrievalEngine, load_engine
-from service.middleware import AccessLogMiddleware, AdmissionMiddleware, BodyLimitMiddleware
+from service.loading import load_engine
+from service.middleware import (
+    AccessLogMiddleware,
+    Admission,
+    AdmissionMiddleware,
+    BodyLimitMiddleware,
+)
+from service.policy import RouteTable
+from service.retrieval import RetrievalEngine
 from service.routes import photos, retrieve, system, web
-from service.settings import SMALL_BODY_BYTES, Settings
+from service.settings import Settings
 
 log = logging.getLogger(__name__)
-
-RETRIEVAL_PATHS = ("/retrieve", "/retrieve/batch")
 
 
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -37,16 +41,19 @@ async def validation_error(request: Request, exc: RequestValidationError) -> JSO
 
 def schema_with_bounds(app: FastAPI, settings: Settings) -> dict:
     """The OpenAPI schema with the bounds that depend on the settings (k <= max_k) and on
-    the loaded index (dims <= stored dims) written into the query parameters."""
+    the loaded index (dims <= stored dims) written into every operation's `k` and `dims`
+    query parameters. Cached until the index changes (`app.openapi_schema = None`)."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     engine = app.state.engine
     maxima = {"k": settings.max_k, "dims": engine.dims if engine is not None else None}
-    for path in RETRIEVAL_PATHS:
-        for param in schema["paths"][path]["post"]["parameters"]:
-            bound = maxima.get(param["name"])
-            if bound is not None:
+    for operations in schema["paths"].values():
+        for operation in operations.values():
+            for param in operation.get("parameters", []):
+                bound = maxima.get(param["name"]) if param.get("in") == "query" else None
+                if bound is None:
+                    continue
                 for option in param["schema"].get("anyOf", [param["schema"]]):
                     if option.get("type") == "integer":
                         option["maximum"] = bound
@@ -76,17 +83,20 @@ def create_app(
     app = FastAPI(title="sketchsvd retrieval", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.engine = None
+    # The one bound on retrievals computing at once: waiting for it happens on the event
+    # loop (service.routes.retrieve), so waiting requests hold no thread.
     app.state.slots = CapacityLimiter(settings.inference_slots)
+    app.state.admission = Admission(settings.max_pending)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.openapi = lambda: schema_with_bounds(app, settings)
-    app.add_middleware(BodyLimitMiddleware, limits=settings.body_limits,
-                       default=SMALL_BODY_BYTES, timeout=settings.body_timeout)
-    app.add_middleware(AdmissionMiddleware, paths=RETRIEVAL_PATHS, limit=settings.max_pending)
+    table = RouteTable(lambda: app.routes, settings)
+    app.add_middleware(BodyLimitMiddleware, table=table, timeout=settings.body_timeout)
+    app.add_middleware(AdmissionMiddleware, table=table, admission=app.state.admission)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
                            allow_methods=["GET", "POST"], allow_headers=["*"])
     app.add_middleware(AccessLogMiddleware)
     for router in (retrieve.router, photos.router, system.router, web.router):
         app.include_router(router)
-    app.mount("/static", StaticFiles(directory=web.STATIC_DIR), name="static")
+    app.mount("/static", web.static_files(), name="static")
     return app

@@ -78,12 +78,13 @@ class InfoOut(BaseModel):
     encoder: str  # what embeds query sketches: onnxruntime or torch
     mirror_queries: bool  # each sketch averaged with its mirror image (two backbone passes)
     gallery_smoothing: dict  # the index's smoothing of photos ({k, weight, rounds}; {}: none)
-    L: int  # the embeddings' width: the learned modes, then the raw coordinates
+    width: int  # the embeddings' width: the learned modes, then the raw coordinates
     modes: int  # the learned singular functions: dims <= modes queries use them alone
     raw_dims: int  # centred backbone-feature coordinates after the modes (0: none)
     available_dims: DimsRange
     gallery_size: int
     classes: int
     index_kind: str
+    index_version: str | None  # the version folder served (None: an index without versions)
     metric: str
     limits: Limits

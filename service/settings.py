@@ -11,7 +11,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MULTIPART_OVERHEAD = 64 * 1024  # boundaries and part headers around the files
-SMALL_BODY_BYTES = 64 * 1024  # any route without files
+SMALL_BODY_BYTES = 64 * 1024  # any route that declares no other limit (service.policy)
 
 
 class Settings(BaseSettings):
@@ -36,7 +36,8 @@ class Settings(BaseSettings):
         "with --flip-average-sketches averages it with its mirror image: two passes); "
         "false: the sketch alone even then (x1.6 queries/s on the CPU)")
     threads: int = Field(default=1, ge=1, description="torch/FAISS threads per inference")
-    inference_slots: int = Field(default=2, ge=1, description="concurrent decodes + forwards")
+    inference_slots: int = Field(default=2, ge=1, description="retrievals computing at once "
+                                 "(decode, forward, search); more wait for a slot")
     embed_batch: int = Field(default=4, ge=1, description="sketches per forward; bounds the "
                              "activation memory of a batch request (raise it on a GPU)")
     max_pending: int = Field(
@@ -63,8 +64,6 @@ class Settings(BaseSettings):
         return self.max_upload_bytes * self.max_batch + MULTIPART_OVERHEAD
 
     @property
-    def body_limits(self) -> dict[str, int]:
-        """Largest body per path: one file for /retrieve, a batch for /retrieve/batch; other
-        paths take at most SMALL_BODY_BYTES."""
-        return {"/retrieve": self.max_upload_bytes + MULTIPART_OVERHEAD,
-                "/retrieve/batch": self.max_body_bytes}
+    def max_file_body_bytes(self) -> int:
+        """Largest body of one file: the file plus multipart overhead."""
+        return self.max_upload_bytes + MULTIPART_OVERHEAD

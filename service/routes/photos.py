@@ -1,12 +1,12 @@
 """GET /photos/{id}: serve a gallery photo; only ids in the index table resolve to files, and
-only files below the photo root are read (service.engine.RetrievalEngine.read_photo)."""
+only files below the photo root are read (service.photo_files)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException, Response
 
 from service.deps import EngineDep
-from service.engine import UnknownPhotoError
+from service.photo_files import UnknownPhotoError
 from service.schemas import ERRORS
 
 router = APIRouter(tags=["photos"])

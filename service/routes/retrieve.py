@@ -8,7 +8,8 @@ from anyio import CapacityLimiter, to_thread
 from fastapi import APIRouter, File, HTTPException, Query, Response, UploadFile
 
 from service.deps import EngineDep, SettingsDep, SlotsDep
-from service.engine import DimsError, Hit, RetrievalEngine
+from service.policy import policy
+from service.retrieval import DimsError, Hit, RetrievalEngine
 from service.schemas import ERRORS, BatchOut, HitOut, QueryOut, RetrieveOut
 from service.settings import Settings
 from training.images import (
@@ -84,6 +85,7 @@ async def run_retrieval(engine: RetrievalEngine, slots: CapacityLimiter, uploads
 
 @router.post("/retrieve", response_model=RetrieveOut, response_model_by_alias=True,
              responses=RETRIEVE_ERRORS)
+@policy(body=lambda s: s.max_file_body_bytes, admitted=True)
 async def retrieve(
     file: Annotated[UploadFile, File(description="the sketch, PNG/JPEG/WebP")],
     engine: EngineDep,
@@ -102,6 +104,7 @@ async def retrieve(
 
 @router.post("/retrieve/batch", response_model=BatchOut, response_model_by_alias=True,
              responses=RETRIEVE_ERRORS)
+@policy(body=lambda s: s.max_body_bytes, admitted=True)
 async def retrieve_batch(
     files: Annotated[list[UploadFile], File(description="several sketches")],
     engine: EngineDep,

@@ -11,9 +11,9 @@ from fastapi.testclient import TestClient
 from PIL import Image, ImageDraw
 
 from index.build import build_index
-from index.store import load_index
-from service.engine import RetrievalEngine
+from service.loading import open_current
 from service.main import create_app
+from service.retrieval import RetrievalEngine
 from service.server import server_config
 from service.settings import Settings
 from tests.fakes import FakeEmbedder, make_gallery
@@ -38,8 +38,8 @@ def settings(fake_index):
 @pytest.fixture
 def engine(fake_index, settings):
     index_dir, embedder = fake_index
-    return RetrievalEngine(embedder, load_index(index_dir, embedder.checkpoint_sha256),
-                           settings.max_pixels)
+    gallery, version = open_current(index_dir, embedder)
+    return RetrievalEngine(embedder, gallery, settings.max_pixels, version=version)
 
 
 @pytest.fixture

@@ -33,8 +33,8 @@ from training.files import atomic_write_bytes
 
 from .heads import embedding
 
-__all__ = ["EncoderMismatchError", "OnnxEncoder", "encoder_path", "export_encoder",
-           "load_or_export"]
+__all__ = ["EncoderFormatError", "EncoderMismatchError", "OnnxEncoder", "encoder_path",
+           "export_encoder", "load_or_export"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,10 @@ MAX_BATCH = 1024  # the exported batch axis is dynamic up to this
 
 class EncoderMismatchError(ValueError):
     """An exported encoder that does not belong to the checkpoint being served."""
+
+
+class EncoderFormatError(EncoderMismatchError):
+    """An exported encoder of another format (written by other code): export it again."""
 
 
 class _Encoder(nn.Module):
@@ -114,10 +118,12 @@ class OnnxEncoder:
         except Exception as err:  # noqa: BLE001 - ORT raises its own types; name the file
             raise EncoderMismatchError(f"{source} is not a loadable ONNX model: {err}") from err
         meta = self.session.get_modelmeta().custom_metadata_map
-        expected = {"format": FORMAT, "checkpoint_sha256": checkpoint_sha256,
-                    "modality": modality}
-        if flip_average is not None:  # graphs of earlier code lack the key: no mirror
-            meta = {**meta, "flip_average": meta.get("flip_average", "False")}
+        if meta.get("format") != FORMAT:
+            raise EncoderFormatError(
+                f"{source} is an encoder graph of format {meta.get('format')!r}; this code "
+                f"reads {FORMAT!r}. Delete the file to have it exported again")
+        expected = {"checkpoint_sha256": checkpoint_sha256, "modality": modality}
+        if flip_average is not None:
             expected["flip_average"] = str(bool(flip_average))
         wrong = {k: meta.get(k) for k, v in expected.items() if meta.get(k) != v}
         if wrong:
@@ -147,7 +153,11 @@ def load_or_export(embedder, index: str | Path, threads: int = 1,
     sha, flip = embedder.checkpoint_sha256, bool(getattr(embedder, "flip_average", False))
     if path.is_file():
         log.info("%s encoder from %s", modality, path)
-        return OnnxEncoder(path, sha, modality, threads, source=str(path), flip_average=flip)
+        try:
+            return OnnxEncoder(path, sha, modality, threads, source=str(path),
+                               flip_average=flip)
+        except EncoderFormatError as err:
+            log.info("exporting it again: %s", err)
     log.info("exporting the %s encoder to ONNX (once per checkpoint)", modality)
     data = export_encoder(embedder, modality)
     try:
