@@ -11,6 +11,7 @@ import torch
 
 from service.settings import Settings
 from training.cdk.model.export import EncoderMismatchError, load_or_export
+from training.cdk.model.quantize import QuantizationError
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +21,7 @@ class Encoder(Protocol):
     several threads at once."""
 
     name: str
+    precision: str  # fp32 or int8
 
     def __call__(self, batch: torch.Tensor) -> np.ndarray: ...
 
@@ -28,6 +30,7 @@ class TorchEncoder:
     """The sketch side of `embedder` in PyTorch, on its device."""
 
     name = "torch"
+    precision = "fp32"
 
     def __init__(self, embedder):
         self.embedder = embedder
@@ -39,18 +42,24 @@ class TorchEncoder:
 
 def pick_encoder(settings: Settings, embedder) -> Encoder:
     """The sketch encoder the settings ask for. auto: ONNX Runtime when the model runs on
-    the CPU (exported once per checkpoint and cached under the index folder), else
+    the CPU (exported once per checkpoint and cached under the index folder; in int8 where
+    `settings.precision` allows, see training.cdk.model.export.load_or_export), else
     PyTorch; PyTorch also when the export or ONNX Runtime is unavailable (with a warning).
-    An exported file of another checkpoint is always an error (EncoderMismatchError)."""
+    An exported file of another checkpoint is always an error (EncoderMismatchError), and
+    so is an int8 encoder asked for that cannot be served."""
     on_cpu = embedder.device.type == "cpu"
+    if settings.precision == "int8" and settings.encoder == "torch":
+        raise ValueError("precision int8 is the ONNX encoder's; set encoder auto or onnx, or "
+                         "precision auto or fp32")
     if settings.encoder == "torch" or (settings.encoder == "auto" and not on_cpu):
         return TorchEncoder(embedder)
     if not on_cpu:
         raise ValueError(f"encoder=onnx runs on the CPU, but the model is on {embedder.device};"
                          " set --device cpu, or encoder auto or torch")
     try:
-        return load_or_export(embedder, settings.index, threads=settings.threads)
-    except EncoderMismatchError:
+        return load_or_export(embedder, settings.index, threads=settings.threads,
+                              precision=settings.precision, data=settings.calibration_data)
+    except (EncoderMismatchError, QuantizationError):
         raise
     except Exception as err:  # noqa: BLE001 - any failure of the optional fast path
         if settings.encoder == "onnx":

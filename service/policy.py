@@ -5,8 +5,9 @@
     async def retrieve(...): ...
 
 `body` is the largest request body the route takes (a function of the settings; default
-SMALL_BODY_BYTES), `admitted` counts its requests against `max_pending` (503 beyond it) and
-`public` leaves it open when API keys are on. The middleware (service.middleware) reads the
+SMALL_BODY_BYTES), `admitted` counts its requests against `max_pending` (503 beyond it),
+`public` leaves it open when API keys are on and `signed` also opens it to a signed URL
+(service.auth). The middleware (service.middleware) reads the
 policies from the app's routes, so a new route is written in one place: its router.
 A path that matches no route gets the default policy.
 """
@@ -33,15 +34,16 @@ class Policy:
     body: Callable[[Settings], int] = lambda settings: SMALL_BODY_BYTES
     admitted: bool = False
     public: bool = False
+    signed: bool = False
 
 
 DEFAULT = Policy()
 
 
 def policy(body: Callable[[Settings], int] | None = None, admitted: bool = False,
-           public: bool = False) -> Callable:
+           public: bool = False, signed: bool = False) -> Callable:
     """Decorator of a route's endpoint (or a mounted app) declaring its Policy."""
-    declared = Policy(body or DEFAULT.body, admitted, public)
+    declared = Policy(body or DEFAULT.body, admitted, public, signed)
 
     def declare(target: Any) -> Any:
         setattr(target, ATTRIBUTE, declared)
@@ -58,6 +60,7 @@ class Rule:
     body: int
     admitted: bool
     public: bool
+    signed: bool
 
 
 class RouteTable:
@@ -71,7 +74,8 @@ class RouteTable:
         self.default = self._rule(UNMATCHED, DEFAULT)
 
     def _rule(self, name: str, declared: Policy) -> Rule:
-        return Rule(name, int(declared.body(self._settings)), declared.admitted, declared.public)
+        return Rule(name, int(declared.body(self._settings)), declared.admitted, declared.public,
+                    declared.signed)
 
     def _build(self) -> list[tuple[re.Pattern, frozenset[str] | None, Rule]]:
         rules = []

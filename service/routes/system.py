@@ -29,6 +29,7 @@ def info(engine: EngineDep, settings: SettingsDep) -> InfoOut:
         checkpoint_sha256=side.checkpoint_sha256,
         backbone=engine.embedder.backbone,
         encoder=engine.encoder.name,
+        precision=engine.encoder.precision,
         mirror_queries=engine.embedder.flip_average,
         gallery_smoothing=side.smoothing,
         width=engine.embedder.width,

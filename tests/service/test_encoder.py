@@ -83,7 +83,7 @@ def test_exported_once_then_read_from_the_index_folder(tmp_path, real_embedder, 
     monkeypatch.setattr(export, "export_encoder", lambda *a, **k: onnx_model)
     first = load_or_export(real_embedder, tmp_path)
     path = encoder_path(tmp_path, real_embedder.checkpoint_sha256)
-    assert path.read_bytes() == onnx_model and first.source == "exported sketch encoder"
+    assert path.read_bytes() == onnx_model and first.source == "exported sketch encoder (fp32)"
 
     def no_export(*a, **k):
         raise AssertionError("exported again although the file is there")
@@ -234,7 +234,7 @@ def test_a_graph_of_another_format_is_refused_then_exported_again(tmp_path, real
     path.parent.mkdir(parents=True)
     path.write_bytes(older)
     monkeypatch.setattr(export, "export_encoder", lambda *a, **k: onnx_model)
-    assert load_or_export(real_embedder, tmp_path).source == "exported sketch encoder"
+    assert load_or_export(real_embedder, tmp_path).source == "exported sketch encoder (fp32)"
     assert path.read_bytes() == onnx_model  # replaced by the graph of this code
     with pytest.raises(EncoderMismatchError, match="flip_average=None"):  # no key: no default
         OnnxEncoder(with_metadata(onnx_model, flip_average=None), sha, flip_average=True)
