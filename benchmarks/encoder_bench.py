@@ -40,6 +40,7 @@ from training.cdk.model.quantize import (  # noqa: E402
     QuantizationError,
     calibration_files,
     calibration_sets,
+    measure_parity,
     preprocessed,
     quantize_graph,
 )
@@ -55,17 +56,19 @@ def best_ms(fn, repeats: int) -> float:
     return 1000 * min(times)
 
 
-def calibration(embedder: Embedder, data: Path | None, n: int) -> list[np.ndarray]:
-    """(1, 3, S, S) batches: training-class sketches, else random images."""
+def calibration(embedder: Embedder, data: Path | None, n: int):
+    """(1, 3, S, S) batches: training-class sketches, else random images; and the
+    validation classes (None without the data)."""
     try:
-        train, _ = calibration_sets(embedder.config, data)
-        return [b[i : i + 1] for b in preprocessed(embedder, calibration_files(train, "sketch", n),
-                                                   "sketch") for i in range(len(b))]
+        train, valid = calibration_sets(embedder.config, data)
+        files = calibration_files(train, "sketch", n)
+        return [b[i : i + 1] for b in preprocessed(embedder, files, "sketch")
+                for i in range(len(b))], valid
     except QuantizationError as err:
-        print(f"calibrating on random images (speed only): {err}")
+        print(f"calibrating on random images (speed only, no parity): {err}")
         rng = np.random.default_rng(0)
         size = embedder.image_size
-        return [rng.standard_normal((1, 3, size, size), np.float32) for _ in range(n)]
+        return [rng.standard_normal((1, 3, size, size), np.float32) for _ in range(n)], None
 
 
 def openvino_runtimes(model: bytes, threads: int, batches: list[np.ndarray]) -> dict:
@@ -133,12 +136,17 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         model = export_encoder(embedder)
         t1 = time.perf_counter()
-        batches = calibration(embedder, args.data, args.calibration)
-        int8 = quantize_graph(model, iter(batches), INPUT)
+        batches, valid = calibration(embedder, args.data, args.calibration)
+        int8 = _as_int8(quantize_graph(model, iter(batches), INPUT))
         print(f"{embedder.backbone} at {embedder.image_size} px, width {embedder.width}; "
               f"export {t1 - t0:.1f} s, {len(model) / 1e6:.1f} MB; int8 "
               f"{time.perf_counter() - t1:.1f} s, {len(int8) / 1e6:.1f} MB")
-        measure(embedder, model, _as_int8(int8), args, batches)
+        if valid is not None:  # the rule the service applies (training.cdk.model.quantize)
+            sha = embedder.checkpoint_sha256
+            parity = measure_parity(embedder, valid, "sketch", OnnxEncoder(model, sha),
+                                    OnnxEncoder(int8, sha, precision="int8"))
+            print(f"int8 parity: {parity}: {'holds' if parity.holds() else 'fails'}")
+        measure(embedder, model, int8, args, batches)
     return 0
 
 
