@@ -1,10 +1,12 @@
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data" / "sketchy-mini"
+# SKETCHY_MINI: where the data is when the checkout is not beside shared/ (as tests/cdk read it)
+DATA = Path(os.environ.get("SKETCHY_MINI", REPO.parent / "shared" / "data" / "sketchy-mini"))
 SMALL_CLASSES = ("airplane", "cat", "tree")
 
 

@@ -5,12 +5,15 @@ benchmarks run end to end in their smoke mode on a tiny generated data set."""
 import importlib
 import json
 import pkgutil
+from pathlib import Path
 
 import pytest
 
 import benchmarks
 
 NAMES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__))
+# Benchmarks with a --smoke mode: tiny data, seconds, exit status 0 when the run holds up.
+SMOKE = [n for n in NAMES if '"--smoke"' in (Path(benchmarks.__path__[0]) / f"{n}.py").read_text()]
 
 
 def test_every_benchmark_is_found():
@@ -24,6 +27,17 @@ def test_benchmark_imports_and_shows_help(name, capsys):
         module.main(["--help"])
     assert exit_info.value.code == 0
     assert "usage" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", SMOKE)
+def test_benchmark_runs_in_its_smoke_mode(name, capsys):
+    module = importlib.import_module(f"benchmarks.{name}")
+    assert module.main(["--smoke"]) == 0
+    assert capsys.readouterr().out  # it reports
+
+
+def test_the_service_benchmarks_have_a_smoke_mode():
+    assert {"service_bench", "encoder_bench", "memory_bench"} <= set(SMOKE)
 
 
 def test_similar_class_pairing_draws_and_moments_follow_its_matrix():
