@@ -90,10 +90,10 @@ class RetrievalEngine:
                  photos_root: Path | None = None, checkpoint: Path | None = None,
                  inference_slots: int = 2, decode_side: int | None = None,
                  embed_batch: int = 16, encoder: Encoder | None = None):
-        if embedder.width != gallery.sidecar.L:
+        if embedder.width != gallery.sidecar.width:
             raise IndexCorruptError(
                 f"the checkpoint's embeddings are {embedder.width} wide but the index was "
-                f"built from embeddings {gallery.sidecar.L} wide"
+                f"built from embeddings {gallery.sidecar.width} wide"
             )
         self.embedder = embedder
         self.gallery = gallery
@@ -276,7 +276,7 @@ def load_engine(settings: Settings) -> RetrievalEngine:
     embedder = Embedder.from_checkpoint(checkpoint, device=settings.device,
                                         flip_average=settings.mirror_queries)
     gallery = load_index(settings.index, checkpoint_sha256=embedder.checkpoint_sha256, mmap=True)
-    if gpu_available() and gallery.sidecar.kind in ("flat", "ivf"):
+    if gpu_available() and gallery.kind.gpu:
         # HNSW has no GPU version in FAISS; GPU indexes are not thread-safe, and requests
         # search from several threads: one search at a time.
         gallery.index = SerializedIndex(to_gpu(gallery.index))

@@ -2,6 +2,7 @@
 renamed import would otherwise only show up when someone runs them)."""
 
 import importlib
+import json
 import pkgutil
 
 import pytest
@@ -77,3 +78,28 @@ def test_levers_folds_hold_out_each_non_test_class_once():
         assert not set(parts["train"]) & set(parts["valid"])
     (name, parts), = folds_of({"classes": classes}, "sketchy2", 0, None)
     assert name == "valid" and len(parts["valid"]) == 10
+
+
+def test_scale_bench_smoke(tmp_path):
+    """The scale benchmark end to end on a tiny class model: every kind built through
+    index.kinds, recall against its own brute force, a table and a figure."""
+    from benchmarks.scale_bench import main
+
+    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in results} == {"flat", "ivfsq48", "ivfsq48:coarse=4"}
+    for r in results:
+        assert {row["d"] for row in r["rows"]} == {16, 24}
+        assert all(0.5 <= row["recall"] <= 1 for row in r["rows"]), r
+    assert next(r for r in results if r["kind"] == "ivfsq48:coarse=4")["params"]["coarse"] == 4
+    assert (tmp_path / "table.md").read_text().count("| 2,000 |") == 2 + 2 * 2  # rows of d
+    assert (tmp_path / "scale.png").stat().st_size > 0
+
+
+def test_photo_table_bench_smoke(tmp_path):
+    from benchmarks.photo_table_bench import main
+
+    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert {(r["n"], r["loader"]) for r in results} == {(2000, "meta"), (2000, "table")}
+    assert all(r["rows"] == 2000 for r in results)
