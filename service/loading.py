@@ -54,7 +54,7 @@ def open_current(folder: Path, embedder) -> tuple[GalleryIndex, str | None]:
     else:
         raise IndexStoreError(f"the index at {str(folder)!r} changed during each of 3 loads")
     check_width(embedder, gallery)
-    if gpu_available() and gallery.sidecar.kind in ("flat", "ivf"):
+    if gpu_available() and gallery.kind.gpu:
         # HNSW has no GPU version in FAISS; GPU indexes are not thread-safe, and requests
         # search from several threads: one search at a time.
         gallery.index = SerializedIndex(to_gpu(gallery.index))

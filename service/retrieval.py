@@ -60,10 +60,10 @@ class Timings:
 
 def check_width(embedder, gallery: GalleryIndex) -> None:
     """The checkpoint's embeddings and the index's vectors must be equally wide."""
-    if embedder.width != gallery.sidecar.L:
+    if embedder.width != gallery.sidecar.width:
         raise IndexCorruptError(
             f"the checkpoint's embeddings are {embedder.width} wide but the index was "
-            f"built from embeddings {gallery.sidecar.L} wide"
+            f"built from embeddings {gallery.sidecar.width} wide"
         )
 
 

@@ -173,3 +173,28 @@ def test_cdk_levers_bench_smoke(tiny_data, tmp_path, capsys):
     assert [r["variant"] for r in rows] == variants
     # the variants passed their own sampler and weights: different training, same data
     assert len({r["max_swap_top32"] for r in rows}) == len({r["valid_map"] for r in rows}) == 3
+
+
+def test_scale_bench_smoke(tmp_path):
+    """The scale benchmark end to end on a tiny class model: every kind built through
+    index.kinds, recall against its own brute force, a table and a figure."""
+    from benchmarks.scale_bench import main
+
+    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert {r["kind"] for r in results} == {"flat", "ivfsq48", "ivfsq48:coarse=4"}
+    for r in results:
+        assert {row["d"] for row in r["rows"]} == {16, 24}
+        assert all(0.5 <= row["recall"] <= 1 for row in r["rows"]), r
+    assert next(r for r in results if r["kind"] == "ivfsq48:coarse=4")["params"]["coarse"] == 4
+    assert (tmp_path / "table.md").read_text().count("| 2,000 |") == 2 + 2 * 2  # rows of d
+    assert (tmp_path / "scale.png").stat().st_size > 0
+
+
+def test_photo_table_bench_smoke(tmp_path):
+    from benchmarks.photo_table_bench import main
+
+    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert {(r["n"], r["loader"]) for r in results} == {(2000, "meta"), (2000, "table")}
+    assert all(r["rows"] == 2000 for r in results)

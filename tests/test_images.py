@@ -162,7 +162,8 @@ def test_other_bad_inputs_name_the_file(tmp_path):
 
 def test_training_and_index_embed_a_transparent_photo_alike(tmp_path):
     """The feature path of training and the gallery path of the index decode the same way."""
-    from index.gallery import embed_photos, scan_gallery
+    from index.embed import embed_photos
+    from index.gallery import scan_gallery
     from training.cdk.features import extract_features
     from training.cdk.model.backbones import bare_backbone
     from training.cdk.model.checkpoint import init_checkpoint, load_checkpoint
@@ -183,7 +184,7 @@ def test_training_and_index_embed_a_transparent_photo_alike(tmp_path):
     trained = e.head(feats, "photo").numpy()  # (1, L)
 
     root, photos = scan_gallery(tmp_path / "gallery")
-    indexed = embed_photos(e, root, photos, dims=e.width, progress=False)  # (1, L)
+    indexed = embed_photos(e, root, photos, progress=False)  # (1, L)
     np.testing.assert_allclose(indexed, trained, rtol=1e-4, atol=1e-5)
 
     black = e.embed([Image.open(photo).convert("RGB")], "photo")  # transparent -> black
