@@ -2,6 +2,7 @@
 renamed import would otherwise only show up when someone runs them)."""
 
 import importlib
+import json
 import pkgutil
 
 import pytest
@@ -77,3 +78,24 @@ def test_levers_folds_hold_out_each_non_test_class_once():
         assert not set(parts["train"]) & set(parts["valid"])
     (name, parts), = folds_of({"classes": classes}, "sketchy2", 0, None)
     assert name == "valid" and len(parts["valid"]) == 10
+
+
+def test_pde_bench_smoke_runs_every_part(tmp_path, capsys):
+    """Each part of benchmarks/pde_bench.py on a tiny architecture: step times of every
+    method, the cpu preset's runs, the grid solver, the paper-step comparison; and the
+    reading of the published code's log."""
+    from benchmarks import pde_bench
+
+    pde_bench.main(["--smoke", "--out", str(tmp_path / "all"), "--threads", "1"])
+    result = json.loads((tmp_path / "all" / "bench.json").read_text())
+    assert set(result["seconds_per_step_paper_arch"]) == {
+        f"{m} @ 16" for m in pde_bench.METHODS}
+    assert set(result["cpu_preset"]["runs"]) == set(pde_bench.METHODS)
+    assert result["grid"]["grid_points"] == 1600
+    pde_bench.main(["--smoke", "--paper-step", "--out", str(tmp_path / "step")])
+    steps = json.loads((tmp_path / "step" / "paper_step.json").read_text())
+    assert set(steps["seconds_per_step"]["16"]) == set(pde_bench.VARIANTS)
+    assert "| 16 |" in capsys.readouterr().out
+    log = "{'iter': 10, 'loss': 1.0, 'time': 2.5}\n{'iter': 20, 'time': 3.5}\n" \
+          "{'iter': 30, 'loss': 0.5, 'time': 4.7}\n"
+    assert pde_bench.seconds_from_paper_log(log) == pytest.approx(0.11)

@@ -81,7 +81,8 @@ LAPLACIANS = ("fd", "exact")
 
 def negative_hamiltonian(model, problem, x: torch.Tensor, laplacian: str = "fd", eps: float = 0.01,
                          precision: str = "fp32"):
-    """(f~, (T f) / sqrt(w)) at x: (B, D), both (B, L), for T = laplacian - V + shift.
+    """(f~, (T f) / sqrt(w)) at x: (B, D), both (B, L), for T = k laplacian - V + shift
+    (k = problem.kinetic).
     f~ keeps its autograd graph; T f is a constant (no graph): the methods use it so.
     precision: the finite-difference stencil's (``fd_laplacian``); "fp32" for "exact"."""
     if laplacian != "fd" and precision != "fp32":
@@ -93,4 +94,4 @@ def negative_hamiltonian(model, problem, x: torch.Tensor, laplacian: str = "fd",
     else:
         raise ValueError(f"laplacian must be one of {LAPLACIANS}, got {laplacian!r}")
     diag = (problem.shift - problem.potential(x)).unsqueeze(-1)  # (B, 1)
-    return ft, lap + diag * ft.detach()
+    return ft, problem.kinetic * lap + diag * ft.detach()

@@ -6,7 +6,7 @@ MLP (2K+D) -> H -> H -> 1. The scale convention: B_l = 2 pi kappa times a standa
 (kappa = ``fourier_scale``), so kappa sets the standard deviation of the angular
 frequencies, not their variance. The paper writes N(0, 2 pi kappa); its published code
 draws 2 pi kappa randn, and that reading is kept because the variance reading fits the
-oscillator worse (README, operator experiments).
+oscillator worse (docs/operators.md).
 
 The L networks share no parameter (SpIN and NeuralEF need disjoint modes; NeuralSVD uses
 sequential nesting for them); their weights are stacked along a leading mode axis so one
@@ -148,15 +148,15 @@ class DisjointMLPs(nn.Module):
         have lost the O(eps^2) difference altogether. On a CPU with AMX these products run
         ~5x faster than in fp32 (benchmarks/pde_bench.py). Everything after the first layer
         stays fp32; the centre's rounding (~2^-9, as in mixed-precision training) enters
-        f~ and the gradient alike. For the accuracy it costs, see the README's operator
-        section. Needs float32 parameters.
+        f~ and the gradient alike. For the accuracy it costs, see
+        docs/operators.md. Needs float32 parameters.
 
         modes_per_product: modes evaluated together at the shifted points; None: on the
         CPU as many as keep one chunk's features within ``CHUNK_BYTES`` (one mode at the
         paper's K = 1024, batch 128; 15 of the oscillator's small ones), all of them
         elsewhere (where each product is a kernel launch).
         """
-        L, D, H = self.n_modes, self.ndim, self.w2.shape[-1]
+        L, D = self.n_modes, self.ndim
         if x.dim() != 2 or x.shape[1] != D:
             raise ValueError(f"stencil centres must be (B, {D}), got {tuple(x.shape)}")
         if x.requires_grad:
@@ -171,6 +171,12 @@ class DisjointMLPs(nn.Module):
             if x.dtype != torch.float32:
                 raise ValueError(f"the bf16 stencil is for float32 models, got {x.dtype}")
             return self._fd_stencil_bf16(x, eps, m)
+        return self._fd_stencil_fp32(x, eps, m)
+
+    def _fd_stencil_fp32(self, x: torch.Tensor, eps: float, m: int):
+        """fd_stencil's precision "fp32" (see there), in chunks of m modes."""
+        L, D, H = self.n_modes, self.ndim, self.w2.shape[-1]
+        B, K = x.shape[0], self.freq.shape[-1]
         xl = x.unsqueeze(0).expand(L, -1, -1)  # (L, B, D)
         # In chunks of m modes, through to the output: on the CPU a chunk's features,
         # scaled weights and activations stay in cache, and no large temporary is allocated
@@ -263,7 +269,13 @@ class _FirstLayerBf16(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         trig, x = ctx.saved_tensors
         F = trig.shape[-1]
+        feat = torch.bmm(trig.transpose(1, 2), grad.to(torch.bfloat16))  # (L, 2K, H)
         dw = grad.new_empty(grad.shape[0], F + x.shape[-1], grad.shape[-1])
-        dw[:, :F] = torch.bmm(trig.transpose(1, 2), grad.to(torch.bfloat16))
-        torch.bmm(x.transpose(1, 2), grad, out=dw[:, F:])
+        try:
+            dw[:, :F] = feat
+            torch.bmm(x.transpose(1, 2), grad, out=dw[:, F:])
+        except RuntimeError:
+            # batched gradients (SpIN's is_grads_batched backward) refuse out=: a copy of
+            # the (L, 2K + D, H) gradient more
+            dw = torch.cat([feat.float(), torch.bmm(x.transpose(1, 2), grad)], 1)
         return None, None, dw, None
