@@ -162,3 +162,12 @@ def test_train_std_replaces_the_sampling_distribution():
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="train_std must be positive, got -1"):
         make_problem("oscillator", 2, train_std=-1.0)
+
+
+def test_planar_states_are_the_builtin_oscillators_eigenfunctions():
+    from training.pde.oscillator import planar_states
+
+    x = 1.5 * torch.randn(50, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    torch.testing.assert_close(planar_states(x), make_problem("oscillator").eigenfunctions(x))
+    with pytest.raises(ValueError, match=r"points in 2D, \(B, 2\), got \(50, 3\)"):
+        planar_states(torch.zeros(50, 3))

@@ -13,7 +13,7 @@ import torch
 from training.pde import figures, quadrature
 from training.pde.schrodinger import Problem, schrodinger
 
-__all__ = ["oscillator", "oscillator_states", "hermite_function", "harmonic"]
+__all__ = ["oscillator", "oscillator_states", "hermite_function", "harmonic", "planar_states"]
 
 
 def harmonic(x: torch.Tensor) -> torch.Tensor:
@@ -63,6 +63,15 @@ def _eigenfunctions(states: list[tuple[int, ...]], x: torch.Tensor) -> torch.Ten
             col = col * h[:, d, k]
         cols.append(col)
     return torch.stack(cols, dim=-1)
+
+
+def planar_states(x: torch.Tensor) -> torch.Tensor:
+    """The 28 eigenfunctions of the 2D oscillator's levels n = 0..6 (energies 2(n + 1) of
+    -laplacian + |x|^2), in the built-in problem's order: (B, 2) -> (B, 28). For the
+    command line's ``--eigenfunctions training.pde.oscillator:planar_states``."""
+    if x.dim() != 2 or x.shape[1] != 2:
+        raise ValueError(f"planar_states takes points in 2D, (B, 2), got {tuple(x.shape)}")
+    return _eigenfunctions(oscillator_states(2, 6), x)
 
 
 def _presets(ndim: int) -> dict:
