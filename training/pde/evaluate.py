@@ -66,7 +66,8 @@ def _alignment(f, truth, w, groups):
     return metrics.procrustes_rotations(f[:, :n], truth, w, groups), norms
 
 
-def aligned_functions(model, problem: Problem, rotations, norms, combination=None):
+def aligned_functions(model, problem: Problem, rotations, norms, combination=None,
+                      chunk: int = 4096):
     """x (N, D) -> (N, n_eval): the learned functions (times ``combination``, an (L, K)
     matrix such as the Ritz step's, when given) normalised by their quadrature norms and
     rotated within each degenerate level as on the quadrature (``evaluate``)."""
@@ -74,11 +75,13 @@ def aligned_functions(model, problem: Problem, rotations, norms, combination=Non
     k = problem.n_eval
 
     def aligned(x: torch.Tensor) -> torch.Tensor:
+        out = []
         with torch.no_grad():
-            f = m(x.double())
-            if combination is not None:
-                f = f @ combination.to(f.dtype)
-            f = f[:, :k] * torch.exp(0.5 * problem.log_weight(x.double())).unsqueeze(-1)
-        return metrics.apply_rotations(f / norms.clamp_min(1e-300), rotations)
+            for xc in x.double().split(chunk):  # (the network's activations are L x chunk)
+                f = m(xc)
+                if combination is not None:
+                    f = f @ combination.to(f.dtype)
+                out.append(f[:, :k] * torch.exp(0.5 * problem.log_weight(xc)).unsqueeze(-1))
+        return metrics.apply_rotations(torch.cat(out) / norms.clamp_min(1e-300), rotations)
 
     return aligned
