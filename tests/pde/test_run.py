@@ -124,7 +124,9 @@ def test_presets_and_overrides():
     # the problems beyond the paper carry their own cpu preset values
     atom = parse_args(["hydrogen-3d", "--preset", "cpu"])
     assert (atom.fourier_scale, atom.train_mix_std, atom.ritz_samples) == (0.2, 1.5, 65_536)
-    assert parse_args(["oscillator", "--ndim", "10", "--preset", "cpu"]).train_std == 1.0
+    ten = parse_args(["oscillator", "--ndim", "10", "--preset", "cpu"])
+    assert ten.train_std == 1.0 and atom.laplacian == ten.laplacian == "forward"
+    assert cpu.laplacian == osc.laplacian == paper.laplacian == "fd"  # as they were tuned
 
 
 def test_without_a_preset_the_device_picks_it_and_says_why(monkeypatch, caplog):
@@ -171,3 +173,11 @@ def test_bool_flags_and_help(capsys):
     for f in dataclasses.fields(Config):
         assert f.name == "problem" or "--" + f.name.replace("_", "-") in out
     assert "--preset" in out and "cpu: Minutes on 2 CPU cores" in out
+
+
+def test_the_forward_laplacian_trains_end_to_end_and_keeps_fp32(tmp_path):
+    assert main(["hydrogen-3d", "--laplacian", "forward", "--out", str(tmp_path),
+                 "--ritz-samples", "512", "--eval-points", "4096", *TINY]) == 0
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["arithmetic"]["stencil_precision"]["16"]["precision"] == "fp32"
+    assert len(m["ritz"]["rel_errors"]) == 14 and all(v == v for v in m["eigenvalues"])

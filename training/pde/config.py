@@ -51,7 +51,9 @@ class Config:
     fourier_features: int = 1024  # K
     fourier_scale: float = 0.1  # kappa
     hidden: int = 128
-    laplacian: str = "fd"  # "fd" (central differences) or "exact" (autograd)
+    # "fd" (central differences, eps fd_eps), "exact" (autograd) or "forward" (exact, the
+    # network's forward-mode derivatives: D + 2 products where fd needs 2D + 1)
+    laplacian: str = "fd"
     fd_eps: float = 0.01
     # the training steps' finite-difference stencil: "bf16" computes its first layer's
     # feature products in bfloat16 (networks.DisjointMLPs.fd_stencil), "fp32" does not;

@@ -176,8 +176,9 @@ def hydrogen_3d(ndim: int = 3) -> Problem:
         # experiment)
         presets={
             "paper": PAPER_HYDROGEN,
+            # the exact forward-mode Laplacian: 2x faster than the 3D stencil here
             "cpu": dict(fourier_scale=0.2, train_mix_std=1.5, train_mix_fraction=0.25,
-                        lr=2e-3, ritz_samples=65_536),
+                        lr=2e-3, ritz_samples=65_536, laplacian="forward"),
         },
         figures=partial(figures.atom_figures, states=states, harmonics=_SOLID_HARMONICS),
     )

