@@ -7,6 +7,12 @@
    side at the same budget (same preset, iterations and seed).
 3. The grid solver the problem carries (finite differences + scipy eigsh): error and time.
 
+With --preset-steps it only times one step of each problem's cpu preset with the
+finite-difference stencil (the default arithmetic) and with the forward-mode Laplacian,
+interleaved, 1 thread (CPU seconds beside wall seconds, for a shared machine):
+
+    python -m benchmarks.pde_bench --preset-steps --steps 20
+
     python -m benchmarks.pde_bench --out runs/pde-bench [--iterations N] [--skip-steps]
 
 Writes OUT/bench.json and OUT/errors_by_method.png and prints markdown tables.
@@ -107,6 +113,46 @@ def paper_step(problem, batch_size: int, steps: int, warmup: int = 2,
     return {name: {"wall": statistics.median(r["wall"]), "cpu": statistics.median(r["cpu"]),
                    "precision": r["precision"], "update": r["trainer"].update_kind()}
             for name, r in runs.items()}
+
+
+# (problem, ndim) of --preset-steps
+PRESET_PROBLEMS = [("hydrogen", None), ("oscillator", None), ("hydrogen-3d", None),
+                   ("oscillator", 10)]
+
+
+def preset_steps(steps: int, warmup: int = 2, smoke: bool = False) -> dict:
+    """Median wall and CPU seconds per step of each problem's cpu preset with
+    ``--laplacian fd`` and ``forward`` (the default arithmetic otherwise), the two
+    interleaved."""
+    out = {}
+    for name, ndim in PRESET_PROBLEMS:
+        problem = make_problem(name, ndim)
+        runs = {}
+        for laplacian in ("fd", "forward"):
+            config = preset("cpu", problem, ndim=ndim or 0, laplacian=laplacian,
+                            **(dict(SMOKE, batch_size=16) if smoke else {}))
+            device = pick_device(config.device)
+            precision, _ = choose_stencil_precision(config.stencil_precision, device,
+                                                    config.batch_size, laplacian)
+            fused, _ = choose_fused_update(config.fused_update, device)
+            runs[laplacian] = dict(trainer=Trainer.build(config, problem, device, fused),
+                                   precision=precision, b=config.batch_size, wall=[], cpu=[])
+        for i in range(warmup + steps):
+            for r in runs.values():
+                wall, cpu = time.perf_counter(), time.process_time()
+                r["trainer"].step(r["b"], r["precision"])
+                if i >= warmup:
+                    r["wall"].append(time.perf_counter() - wall)
+                    r["cpu"].append(time.process_time() - cpu)
+        key = name if ndim is None else f"{name} --ndim {ndim}"
+        out[key] = {lap: {"wall": statistics.median(r["wall"]),
+                          "cpu": statistics.median(r["cpu"]), "precision": r["precision"],
+                          "batch": r["b"]} for lap, r in runs.items()}
+        fd, fw = out[key]["fd"], out[key]["forward"]
+        print(f"| {key} | {fd['batch']} | {1e3 * fd['cpu']:.1f} ({fd['precision']}) | "
+              f"{1e3 * fw['cpu']:.1f} | {fd['cpu'] / fw['cpu']:.2f}x | "
+              f"{1e3 * fd['wall']:.1f} / {1e3 * fw['wall']:.1f} |", flush=True)
+    return out
 
 
 # The published code's arguments for the paper's hydrogen run (its scripts/exps/pde/
@@ -234,6 +280,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="only time the NeuralSVD-seq step with the defaults against the "
                              "former ones, interleaved, hydrogen at batch 128 and 512 on 1 "
                              "thread (ignores --problem and --threads)")
+    parser.add_argument("--preset-steps", action="store_true",
+                        help="only time one step of each problem's cpu preset, fd against "
+                             "the forward-mode Laplacian, 1 thread")
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny architecture, batch 16, 1 step, 3 iterations, a coarse "
                              "grid: that every part runs, in seconds")
@@ -253,6 +302,13 @@ def main(argv=None):
         args.steps, args.iterations = 1, 3
     if args.paper_step:
         _paper_mode(args, out, batches)
+        return
+    if args.preset_steps:
+        torch.set_num_threads(1)
+        print("| problem | batch | fd: CPU ms per step | forward: CPU ms | ratio | wall ms, "
+              "fd / forward |\n|---|---|---|---|---|---|")
+        rows = preset_steps(args.steps, smoke=args.smoke)
+        (out / "preset_steps.json").write_text(json.dumps(rows, indent=1))
         return
     torch.set_num_threads(args.threads)
     problem = make_problem(args.problem)

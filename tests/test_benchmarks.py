@@ -96,6 +96,9 @@ def test_pde_bench_smoke_runs_every_part(tmp_path, capsys):
     steps = json.loads((tmp_path / "step" / "paper_step.json").read_text())
     assert set(steps["seconds_per_step"]["16"]) == set(pde_bench.VARIANTS)
     assert "| 16 |" in capsys.readouterr().out
+    pde_bench.main(["--smoke", "--preset-steps", "--out", str(tmp_path / "presets")])
+    rows = json.loads((tmp_path / "presets" / "preset_steps.json").read_text())
+    assert set(rows["oscillator --ndim 10"]) == {"fd", "forward"}
     log = "{'iter': 10, 'loss': 1.0, 'time': 2.5}\n{'iter': 20, 'time': 3.5}\n" \
           "{'iter': 30, 'loss': 0.5, 'time': 4.7}\n"
     assert pde_bench.seconds_from_paper_log(log) == pytest.approx(0.11)
