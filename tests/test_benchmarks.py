@@ -198,3 +198,27 @@ def test_photo_table_bench_smoke(tmp_path):
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert {(r["n"], r["loader"]) for r in results} == {(2000, "meta"), (2000, "table")}
     assert all(r["rows"] == 2000 for r in results)
+
+
+def test_pde_bench_smoke_runs_every_part(tmp_path, capsys):
+    """Each part of benchmarks/pde_bench.py on a tiny architecture: step times of every
+    method, the cpu preset's runs, the grid solver, the paper-step comparison; and the
+    reading of the published code's log."""
+    from benchmarks import pde_bench
+
+    pde_bench.main(["--smoke", "--out", str(tmp_path / "all"), "--threads", "1"])
+    result = json.loads((tmp_path / "all" / "bench.json").read_text())
+    assert set(result["seconds_per_step_paper_arch"]) == {
+        f"{m} @ 16" for m in pde_bench.METHODS}
+    assert set(result["cpu_preset"]["runs"]) == set(pde_bench.METHODS)
+    assert result["grid"]["grid_points"] == 1600
+    pde_bench.main(["--smoke", "--paper-step", "--out", str(tmp_path / "step")])
+    steps = json.loads((tmp_path / "step" / "paper_step.json").read_text())
+    assert set(steps["seconds_per_step"]["16"]) == set(pde_bench.VARIANTS)
+    assert "| 16 |" in capsys.readouterr().out
+    pde_bench.main(["--smoke", "--preset-steps", "--out", str(tmp_path / "presets")])
+    rows = json.loads((tmp_path / "presets" / "preset_steps.json").read_text())
+    assert set(rows["oscillator --ndim 10"]) == {"fd", "forward"}
+    log = "{'iter': 10, 'loss': 1.0, 'time': 2.5}\n{'iter': 20, 'time': 3.5}\n" \
+          "{'iter': 30, 'loss': 0.5, 'time': 4.7}\n"
+    assert pde_bench.seconds_from_paper_log(log) == pytest.approx(0.11)
