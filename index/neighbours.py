@@ -186,8 +186,7 @@ def smooth_added(stored: np.ndarray, new: np.ndarray, cfg: Smoothing) -> np.ndar
 def checkpoint_smoothing(config: dict, k: int | None = None, weight: float | None = None,
                          rounds: int | None = None) -> Smoothing:
     """The smoothing a checkpoint's config (an Embedder's `config`) asks for, with the
-    given values overriding its own (None keeps the checkpoint's; checkpoints from before
-    smoothing existed have it off)."""
+    given values overriding its own (None keeps the checkpoint's)."""
     own = smoothing(from_dict(config))
     return Smoothing(own.k if k is None else k, own.weight if weight is None else weight,
                      own.rounds if rounds is None else rounds)

@@ -2,6 +2,8 @@
 stored vectors of a build and an append against the rule applied in torch, the sidecar, and
 the same vectors on every build path (in memory, shards, blocks of any size)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,7 @@ from index.neighbours import (
 )
 from index.store import load_index
 from tests.fakes import FakeEmbedder, make_gallery
+from training.cdk.config import Config
 from training.cdk.model.smoothing import Smoothing, exact_neighbours, smooth
 
 
@@ -138,7 +141,8 @@ def test_blocks_of_any_size_give_the_same_bits(monkeypatch, exact_max):
 
 
 def test_checkpoint_smoothing_defaults_and_overrides():
-    own = {"smooth_k": 10, "smooth_weight": 4.0, "smooth_rounds": 2}
+    own = {**dataclasses.asdict(Config()), "smooth_k": 10, "smooth_weight": 4.0,
+           "smooth_rounds": 2}
     assert checkpoint_smoothing(own) == Smoothing(10, 4.0, 2)
     assert checkpoint_smoothing(own, k=0) == Smoothing(0, 4.0, 2)
     assert checkpoint_smoothing(own, weight=1.5, rounds=3) == Smoothing(10, 1.5, 3)
