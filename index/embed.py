@@ -96,7 +96,7 @@ def photo_encoder(embedder: Embedder, folder: str | Path, threads: int = 2,
     ONNX Runtime on the CPU, PyTorch on CUDA and for embedders that cannot be exported."""
     if not _uses_onnx(embedder, choice):
         return TorchPhotos(embedder)
-    key = (embedder.checkpoint_sha256, embedder.photo_flip_average, embedder.flip_average,
+    key = (embedder.checkpoint_sha256, embedder.photo_flip_average, embedder.sketch_flip_average,
            threads)
     if key not in _ONNX:
         _ONNX[key] = _load_or_export(embedder, folder, threads)

@@ -185,7 +185,7 @@ def test_single_view_queries_of_a_mirror_averaging_checkpoint(real_checkpoint, r
 
     assert real_embedder.sketch_flip_average and real_embedder.trained_sketch_flip_average
     single = Embedder.from_checkpoint(real_checkpoint, device="cpu", sketch_flip_average=False)
-    assert not single.flip_average and single.trained_sketch_flip_average
+    assert not single.sketch_flip_average and single.trained_sketch_flip_average
     batch = sketch_batch(single, small_sketches)
     trunk = single.backbone_of("sketch").module.trunk
     with torch.no_grad():
