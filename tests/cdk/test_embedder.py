@@ -291,3 +291,20 @@ def test_fit_raw_projections_against_numpy_pca():
     np.testing.assert_allclose(out.norm(dim=1).numpy(), 2.0 ** 0.5, rtol=1e-5)
     with pytest.raises(ValueError, match="raw_dims must be in"):
         fit_raw_projections(torch.tensor(s), torch.tensor(p), 7, 1.0)
+
+
+def test_fit_raw_projections_falls_back_to_svd_when_eigh_fails(monkeypatch):
+    """LAPACK's eigh may not converge on a low-rank moment matrix; the SVD gives the same
+    principal axes (compared as projectors with eigh's own, taken before it is broken)."""
+    from training.cdk.model.heads import fit_raw_projections
+
+    rng = np.random.default_rng(1)
+    s, p = torch.tensor(rng.normal(size=(5, 12))), torch.tensor(rng.normal(size=(4, 12)))
+    want = fit_raw_projections(s, p, 4, 1.0)["sketch"].axes.double()
+
+    def broken(_):
+        raise torch.linalg.LinAlgError("linalg.eigh: the algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "eigh", broken)
+    got = fit_raw_projections(s, p, 4, 1.0)["sketch"].axes.double()
+    torch.testing.assert_close(got @ got.T, want @ want.T, atol=1e-8, rtol=0)

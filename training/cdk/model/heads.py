@@ -122,8 +122,14 @@ def fit_raw_projections(sketch_feats: torch.Tensor, photo_feats: torch.Tensor, d
         for i in range(0, len(x), 8192):
             c = x[i : i + 8192].double() - m
             second += c.T @ c
-    _, vecs = torch.linalg.eigh(second)  # ascending
-    axes = vecs[:, -dims:].flip(1)  # (D, dims), the largest first
+    try:
+        _, vecs = torch.linalg.eigh(second)  # ascending
+        axes = vecs[:, -dims:].flip(1)  # (D, dims), the largest first
+    except torch.linalg.LinAlgError:
+        # LAPACK's eigh can fail to converge on a matrix of low rank (fewer rows than D,
+        # many equal zero eigenvalues); the SVD of a symmetric PSD matrix gives the same
+        # axes, largest first.
+        axes = torch.linalg.svd(second)[0][:, :dims]
     return {m: RawProjection(means[m], axes, weight) for m in MODALITIES}
 
 
