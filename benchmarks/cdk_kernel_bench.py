@@ -258,14 +258,18 @@ def train_heads(cfg: Config, sketch_feats, photo_feats, sampler) -> tuple[dict, 
 
 def sort_modes(heads: dict, sampler: KernelSampler, sketch_feats, photo_feats) -> dict:
     """Both heads' modes reordered by decreasing Rayleigh quotient on the training rows
-    (the preset's --sort-modes); returns the sorted quotients and the largest rise among
-    the top 32 as trained."""
-    sv = sampler.quotients(_embed(heads["sketch"], sketch_feats),
-                           _embed(heads["photo"], photo_feats)).float()
+    (the preset's --sort-modes). Returns, in that order, the quotients ("sigma") and the
+    norms' estimate sqrt(E f^2 E g^2) under the kernel's marginals ("sigma_norm": what was
+    learned; a mode left near zero has a quotient all the same), and the largest rise
+    among the top 32 quotients as trained."""
+    f, g = _embed(heads["sketch"], sketch_feats), _embed(heads["photo"], photo_feats)
+    sv = sampler.quotients(f, g).float()
+    norm = ((f.double() ** 2).mean(0) * (sampler.photo_marginal() @ g.double() ** 2)).sqrt()
     perm = torch.argsort(sv, descending=True, stable=True)
     for h in heads.values():
         h.permute_modes(perm)
-    return {"sigma": sv[perm].tolist(), "max_rise_top32_trained": spectrum_order(sv)["max_swap"]}
+    return {"sigma": sv[perm].tolist(), "sigma_norm": norm[perm].tolist(),
+            "max_rise_top32_trained": spectrum_order(sv)["max_swap"]}
 
 
 @torch.no_grad()
@@ -276,9 +280,11 @@ def _embed(head: Head, x: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ one run
 
-def run_kernel(cfg: Config, F: dict, name: str, parts: dict, class_emb=None) -> dict:
-    """Train on the classes parts["train"] of features F with kernel KERNELS[name], score
-    on parts["valid"]; class_emb: {class name: (E,)} for the semantic kernels."""
+def held_out_rows(F: dict, parts: dict, name: str, class_emb=None):
+    """(training rows (sketches, photos), held-out rows, the sampler of kernel
+    KERNELS[name] on the training rows): boolean masks over F's rows for the classes
+    parts["train"] and parts["valid"]; class_emb: {class name: (E,)} for semantic
+    kernels."""
     sl, pl = F["sketch_labels"], F["photo_labels"]
     index = {c: i for i, c in enumerate(F["classes"])}
     (ts, tp), (vs, vp) = ((np.isin(sl, ids), np.isin(pl, ids)) for ids in (
@@ -291,7 +297,14 @@ def run_kernel(cfg: Config, F: dict, name: str, parts: dict, class_emb=None) -> 
     emb = None
     if "semantic" in KERNELS[name]:
         emb = torch.stack([class_emb[F["classes"][c]] for c in relabel])
-    sampler = KernelSampler(conditional(KERNELS[name], data, emb))
+    return (ts, tp), (vs, vp), KernelSampler(conditional(KERNELS[name], data, emb))
+
+
+def run_kernel(cfg: Config, F: dict, name: str, parts: dict, class_emb=None) -> dict:
+    """Train on the classes parts["train"] of features F with kernel KERNELS[name], score
+    on parts["valid"] (held_out_rows)."""
+    (ts, tp), (vs, vp), sampler = held_out_rows(F, parts, name, class_emb)
+    sl, pl = F["sketch_labels"], F["photo_labels"]
     kernel_sv = sampler.spectrum()
     S, P = F["sketch"], F["photo"]
     heads, seconds = train_heads(cfg, S[ts], P[tp], sampler)
@@ -301,9 +314,21 @@ def run_kernel(cfg: Config, F: dict, name: str, parts: dict, class_emb=None) -> 
             for m, x in (("sketch", S[vs]), ("photo", P[vp])))
     return {"kernel": name, "seed": cfg.seed, "held_out": len(parts["valid"]),
             **info, **scores(f, g, sl[vs], pl[vp], cfg.L, cfg.k),
-            "learned_effective_rank": effective_rank(info["sigma"]),
+            "learned_effective_rank": effective_rank(info["sigma_norm"]),
+            "learned_effective_rank_quotients": effective_rank(info["sigma"]),
             "kernel_effective_rank": effective_rank(kernel_sv),
-            "kernel_sigma": kernel_sv[: 2 * cfg.L].tolist(), "load": os.getloadavg()[0]}
+            "kernel_sigma": kernel_sv[: 2 * cfg.L].tolist(), "load": os.getloadavg()[0],
+            "heads": {m: h.state_dict() for m, h in heads.items()}}
+
+
+def spectrum_row(F: dict, name: str, parts: dict, class_emb=None) -> dict:
+    """The exact spectrum of kernel KERNELS[name] on the training rows of ``parts``,
+    without training: effective rank, numerical rank and values at a few indices."""
+    _, _, sampler = held_out_rows(F, parts, name, class_emb)
+    sv = sampler.spectrum()
+    at = {str(i): float(sv[i - 1]) for i in (1, 16, 32, 64, 93, 128, 256, 512) if i <= len(sv)}
+    return {"kernel": name, "effective_rank": effective_rank(sv),
+            "rank": int((sv > 1e-9).sum()), "sigma_at": at}
 
 
 def scores(f, g, q_labels, g_labels, L: int, k: int) -> dict:
@@ -394,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--override", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="cpu preset fields to change (JSON values), e.g. epochs=3 L=8")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--spectra", action="store_true",
+                    help="only the kernels' exact spectra on the training rows (no training), "
+                         "to OUT/spectra.jsonl")
     ap.add_argument("--report", action="store_true",
                     help="print the table of OUT/results.jsonl and exit")
     args = ap.parse_args(argv)
@@ -430,11 +458,19 @@ def main(argv: list[str] | None = None) -> int:
         emb = dict(zip(names, text_embeddings(names, out / "text_embeddings.pt"), strict=True))
     for name in args.kernels:
         for set_name, parts in held:
+            if args.spectra:
+                row = {**spectrum_row(F, name, parts, emb), "set": set_name}
+                with open(out / "spectra.jsonl", "a") as fh:
+                    fh.write(json.dumps(row) + "\n")
+                print(json.dumps(row), flush=True)
+                continue
             for seed in args.seeds:
                 if (name, set_name, seed) in done:
                     continue
                 r = run_kernel(dataclasses.replace(cfg, seed=seed), F, name, parts, emb)
                 r["set"] = set_name
+                (out / "heads").mkdir(exist_ok=True)  # for later looks without retraining
+                torch.save(r.pop("heads"), out / "heads" / f"{name}-{set_name}-{seed}.pt")
                 with open(results_file, "a") as fh:
                     fh.write(json.dumps(r) + "\n")
                 print(f"{name:<34} {set_name:<6} seed {seed}: modes {r['learned_map']:.3f} / "

@@ -228,6 +228,7 @@ def test_kernel_bench_runs_end_to_end_on_tiny_data(tmp_path, capsys):
     test-class row, and the instance kernel's spectrum is wider than the class one's."""
     import json
 
+    import torch
     from PIL import Image
 
     from benchmarks.cdk_kernel_bench import main
@@ -257,8 +258,18 @@ def test_kernel_bench_runs_end_to_end_on_tiny_data(tmp_path, capsys):
     for r in rows:
         assert 0 < r["service_map"] <= 1 and 0 < r["learned_map"] <= 1
         assert len(r["sigma"]) == 4 and r["sigma"] == sorted(r["sigma"], reverse=True)
+        assert min(r["sigma_norm"]) >= 0
+        heads = torch.load(out / "heads" / f"{r['kernel']}-{r['set']}-0.pt")
+        assert heads["photo"]["mlp.2.weight"].shape == (4, 8)
     ranks = {r["kernel"]: r["kernel_effective_rank"] for r in rows if r["set"] == "valid"}
     assert ranks["class"] < ranks["instance 0.5"]  # rank 3 against 3 + 11 values a
+    assert main([*args, "--spectra", "--folds", "0"]) == 0
+    spectra = [json.loads(x) for x in (out / "spectra.jsonl").read_text().splitlines()]
+    # 4 training classes, 12 photos with sketches: ranks C - 1 and 12 - 1; the soft rows
+    # are spread over the photos of a class, between the two
+    assert [(s["kernel"], s["set"], s["rank"]) for s in spectra[:2]] == [
+        ("class", "valid", 3), ("instance 0.5", "valid", 11)]
+    assert 3 < spectra[2]["rank"] <= 11
     assert main(args) == 0  # every run is done already: nothing is added
     assert len((out / "results.jsonl").read_text().splitlines()) == 9
     capsys.readouterr()
