@@ -210,8 +210,8 @@ class KernelSampler:
 def effective_rank(sv) -> float:
     """exp of the entropy of s^2 / sum s^2 (negative values count as 0)."""
     s2 = torch.as_tensor(sv, dtype=torch.float64).clamp_min(0) ** 2
-    p = s2[s2 > 0] / s2.sum()
-    return float(torch.exp(-(p * p.log()).sum()))
+    p = s2 / s2.sum()
+    return float(torch.exp(-torch.special.xlogy(p, p).sum()))  # 0 log 0 = 0
 
 
 # ------------------------------------------------------------------ training

@@ -113,6 +113,7 @@ def test_kernel_spectra_are_the_analytic_ones():
     got = KernelSampler(conditional({"instance": 0.3}, data)).spectrum()
     torch.testing.assert_close(got, torch.cat([one, torch.full((3,), 0.3, dtype=torch.float64)]))
     assert abs(effective_rank([1.0, 1.0, 0.0, -0.2]) - 2.0) < 1e-12
+    assert abs(effective_rank([1.0, 1.0, 2.3e-162]) - 2.0) < 1e-12  # its share underflows to 0
     assert 2.0 < effective_rank(got) < 5.0
 
 
