@@ -393,13 +393,23 @@ def report(results: list[dict]) -> str:
                                   ("valid", valid, np.mean)):
             if not group:
                 continue
-            cells = " | ".join(f"{how([r[k] for r in group]):.3f}" if k != "train_seconds"
-                               else f"{how([r[k] for r in group]):.0f}" for k, _ in COLUMNS)
+            cells = " | ".join(_cell(how, [r.get(k) for r in group], k) for k, _ in COLUMNS)
             pairs = [r["service_map"] - base[r["set"], r["seed"]]["service_map"]
                      for r in group if (r["set"], r["seed"]) in base]
             paired = f"{np.mean(pairs):+.3f}" if pairs and label != "folds min" else "-"
             lines.append(f"| {name} | {label} | {len(group)} | {cells} | {paired} |")
     return "\n".join(lines)
+
+
+def _cell(how, values: list, key: str) -> str:
+    """how() of the runs' values, '-' where none has one (a field added later)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    return f"{how(values):.0f}" if key in WHOLE else f"{how(values):.3f}"
+
+
+WHOLE = ("train_seconds", "learned_effective_rank", "kernel_effective_rank")
 
 
 def main(argv: list[str] | None = None) -> int:
