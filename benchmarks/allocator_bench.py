@@ -17,14 +17,15 @@ import numpy as np
 PROBE = """
 import json, resource, sys, time, torch
 from training.allocator import tune_allocator
-from training.cdk.model.backbones import NATIVE_SIZE, build_backbone
+from training.cdk.model.backbones import BACKBONES, build_backbone
 name, mode = sys.argv[1], sys.argv[5]
 batch, threads, reps = map(int, sys.argv[2:5])
 if mode == "tuned":
     assert tune_allocator()
 torch.set_num_threads(threads)
 bb = build_backbone(name)
-x = torch.randn(batch, 3, NATIVE_SIZE[name], NATIVE_SIZE[name])
+size = BACKBONES[name].native_size
+x = torch.randn(batch, 3, size, size)
 with torch.no_grad():
     bb.module.eval()(x)
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()

@@ -31,6 +31,9 @@ from training.files import atomic_write_text
 
 METHODS = ("lora", "neuralsvd-seq", "neuralsvd-jnt")
 FRACTION_DIMS = (16, 32, 64, 128)
+# --smoke: the overrides that make a run take seconds on small data
+SMOKE = {"modes": 4, "hidden": 16, "epochs": 2, "batch_size": 6, "image_size": 32, "k": 2,
+         "gallery_queries": 2, "gallery_topk": 2}
 
 
 def _ms(values) -> str:
@@ -61,7 +64,10 @@ def main(argv=None) -> int:
     p.add_argument("--split", default="sketchy2")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--smoke", action="store_true",
+                   help="small heads, images and run: checks the benchmark, measures nothing")
     a = p.parse_args(argv)
+    smoke = SMOKE if a.smoke else {}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     out = Path(a.out)
 
@@ -72,11 +78,25 @@ def main(argv=None) -> int:
             run_dir = out / f"{name.replace(', ', '-').replace(' ', '-')}-seed{seed}"
             shutil.rmtree(run_dir, ignore_errors=True)  # time a fresh run, never a resume
             cfg = make_config(a.preset, data=a.data, split=a.split, seed=seed,
-                              out=str(run_dir), threads=a.threads, **over)
+                              out=str(run_dir), threads=a.threads, **over, **smoke)
             t0 = time.perf_counter()
             m = run(cfg)
             m["wall_seconds"] = time.perf_counter() - t0
             res[name].append(m)
+    rows, curves, summary = _report(res, variants, a.split, a.seeds, a.preset)
+    table = "\n".join(rows)
+    print(table)
+    plot_structure(curves, out / "structure.png")
+    atomic_write_text(table + "\n", out / "table.md")
+    atomic_write_text(json.dumps({
+        "seeds": a.seeds, **summary,
+        "results": {v: [{k2: x for k2, x in r.items() if k2 != "history"} for r in rs]
+                    for v, rs in res.items()}}, indent=2), out / "bench.json")
+    return 0
+
+
+def _report(res: dict, variants: dict, split: str, seeds: list, preset: str):
+    """(table rows, structure curves, bench.json's summary) of the runs ``res``."""
     jnt = res["neuralsvd-jnt"]
     raw = jnt[0]["raw_backbone_cosine"]  # deterministic: same features for every run
     k, dims = raw["k"], sorted(int(d) for d in jnt[0]["map_by_dims"])
@@ -90,7 +110,7 @@ def main(argv=None) -> int:
                                   if c["method"] == "neuralsvd-jnt" else "")
 
     full = {v: float(np.mean([r["map_all"] for r in res[v]])) for v in variants}
-    rows = [f"split {a.split}, seeds {a.seeds}, preset {a.preset}", "",
+    rows = [f"split {split}, seeds {seeds}, preset {preset}", "",
             f"| method | settings | mAP@all | P@{k} |", "|---|---|---|---|",
             f"| (a) raw {jnt[0]['backbone']} features, cosine | all dimensions | "
             f"{raw['map_all']:.4f} | {raw['precision_at_k']:.4f} |"]
@@ -136,8 +156,6 @@ def main(argv=None) -> int:
         f"{v} " + ", ".join(f"{w:.0f} ({t:.0f})" for w, t in
                             zip(x["wall_seconds"], x["train_seconds"], strict=True))
         for v, x in timing.items())]
-    table = "\n".join(rows)
-    print(table)
     curves = {v: {d: {"map_all": x} for d, x in by_d(v).items()} for v in variants}
     curves["neuralsvd-jnt (d least significant)"] = {
         d: {"map_all": x} for d, x in by_d("neuralsvd-jnt", "map_by_dims_least").items()}
@@ -145,15 +163,10 @@ def main(argv=None) -> int:
     curves["raw cosine (top-d principal axes)"] = {d: {"map_all": x} for d, x in pca.items()}
     curves["raw inner product (top-d principal axes)"] = {d: {"map_all": x}
                                                           for d, x in pca_inner.items()}
-    plot_structure(curves, out / "structure.png")
-    atomic_write_text(table + "\n", out / "table.md")
-    atomic_write_text(json.dumps({
-        "seeds": a.seeds, "raw_backbone_cosine": raw, "raw_backbone_pca_map_by_dims": pca,
-        "raw_backbone_pca_inner_map_by_dims": pca_inner,
-        "fraction_of_full_map": frac, "beats": beats, "timing": timing,
-        "results": {v: [{k2: x for k2, x in r.items() if k2 != "history"} for r in rs]
-                    for v, rs in res.items()}}, indent=2), out / "bench.json")
-    return 0
+    summary = {"raw_backbone_cosine": raw, "raw_backbone_pca_map_by_dims": pca,
+               "raw_backbone_pca_inner_map_by_dims": pca_inner,
+               "fraction_of_full_map": frac, "beats": beats, "timing": timing}
+    return rows, curves, summary
 
 
 if __name__ == "__main__":

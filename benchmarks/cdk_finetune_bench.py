@@ -32,15 +32,21 @@ from training.files import atomic_write_text
 
 # name -> overrides of the cpu preset
 VARIANTS: dict[str, dict] = {
-    "frozen-lite0": {},
+    "frozen-lite0": {"backbone": "efficientnet-lite0", "image_size": 0},
     "frozen-lite1": {"backbone": "efficientnet-lite1", "image_size": 0},
     "frozen-lite2": {"backbone": "efficientnet-lite2", "image_size": 0},
-    "finetune-lite0": {"finetune": True, "flip_average": False, "raw_dims": 0},
+    "finetune-lite0": {"backbone": "efficientnet-lite0", "image_size": 0, "finetune": True,
+                       "photo_flip_average": False, "raw_dims": 0},
     "finetune-lite1": {"backbone": "efficientnet-lite1", "image_size": 0, "finetune": True,
-                       "flip_average": False, "raw_dims": 0},
+                       "photo_flip_average": False, "raw_dims": 0},
     "finetune-lite2": {"backbone": "efficientnet-lite2", "image_size": 0, "finetune": True,
-                       "flip_average": False, "raw_dims": 0},
+                       "photo_flip_average": False, "raw_dims": 0},
 }
+
+
+# --smoke: the overrides that make a run take seconds on small data
+SMOKE = {"modes": 4, "hidden": 16, "epochs": 1, "batch_size": 6, "image_size": 32, "k": 2,
+         "gallery_queries": 2, "gallery_topk": 2}
 
 
 def _parse_sets(items: list[str]) -> dict:
@@ -112,10 +118,12 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--report", action="store_true", help="print the table and exit")
+    p.add_argument("--smoke", action="store_true",
+                   help="small heads, images and run: checks the benchmark, measures nothing")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     out = Path(a.out)
-    sets = _parse_sets(a.set)
+    sets = {**(SMOKE if a.smoke else {}), **_parse_sets(a.set)}
     for seed in [] if a.report else a.seeds:
         for v in a.variants:
             name = v + (f" {a.tag}" if a.tag else "")

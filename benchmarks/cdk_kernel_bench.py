@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,15 +47,16 @@ import torch
 
 from benchmarks.cdk_levers_bench import folds_of, similar_class_mixing
 from training.allocator import tune_allocator
-from training.cdk.config import Config, make_config, nesting_weights, sketch_flip_average
+from training.cdk.config import Config, make_config
 from training.cdk.data import scan
 from training.cdk.features import extract_features
-from training.cdk.metrics import retrieval_metrics, smoothed_metrics, spectrum_order
-from training.cdk.model.backbones import build_backbone, with_flip_average
-from training.cdk.model.heads import MODALITIES, Head, embedding, fit_raw_projections
+from training.cdk.metrics import retrieval_metrics, smoothed_metrics
+from training.cdk.model.backbones import Backbone, build_backbone, with_flip_average
+from training.cdk.model.heads import MODALITIES, embedding
 from training.cdk.model.smoothing import Smoothing
+from training.cdk.run import embed_features
 from training.cdk.splits import split_classes
-from training.loss import cdk_loss, nesting_masks
+from training.cdk.train import TrainData, TrainResult, train
 
 # name -> parts: "instance": a, "soft": (a, tau), "semantic": (b, tau), "visual": (b, tau).
 # The instance parts take their share from the class draw; semantic / visual replace the
@@ -163,7 +165,9 @@ def conditional(parts: dict, data: dict, class_emb=None) -> torch.Tensor:
 class KernelSampler:
     """Batches of (sketch, photo) pairs from p(x, y) = p(y | x) / Ns: each epoch visits
     every sketch once in a seeded random order and draws its photo from its row of
-    ``cond`` (Ns, Np). Expectations under the kernel are exact sums over ``cond``."""
+    ``cond`` (Ns, Np). Expectations under the kernel are exact sums over ``cond``. The
+    interface training.cdk.train takes a sampler by (epoch, steps_per_epoch, joint_moment,
+    halves)."""
 
     def __init__(self, cond: torch.Tensor):
         cond = torch.as_tensor(cond, dtype=torch.float64)
@@ -184,6 +188,36 @@ class KernelSampler:
         for step in range(self.steps_per_epoch(batch_size)):
             s = perm[step * B : (step + 1) * B]
             yield s, torch.multinomial(self.cond[s], 1, generator=g)[:, 0]
+
+    def restricted(self, sketch_idx=None, photo_idx=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rows of ``cond`` at the given sketches (None: all), over the given photos
+        and renormalised, (S,) bool: the given sketches with some mass there). The kernel
+        restricted to those rows, as the spectrum pass reads it on a subset."""
+        q = self.cond
+        if sketch_idx is not None:
+            q = q[torch.as_tensor(sketch_idx).long()]
+        if photo_idx is not None:
+            q = q[:, torch.as_tensor(photo_idx).long()]
+        mass = q.sum(1)
+        keep = mass > 1e-12
+        if not bool(keep.any()):
+            raise ValueError("no sketch among the given rows has its pair among the photos")
+        return q[keep] / mass[keep, None], keep
+
+    def joint_moment(self, f, g, sketch_idx=None, photo_idx=None) -> torch.Tensor:
+        """E[f(X) g(Y)] (L,) under the kernel restricted to the given rows (f at the
+        sketches ``sketch_idx``, g at the photos ``photo_idx``; None: all)."""
+        q, keep = self.restricted(sketch_idx, photo_idx)
+        return (f.double()[keep] * (q @ g.double())).mean(0)
+
+    def halves(self, sketch_idx=None, photo_idx=None):
+        """The given rows cut in two by the parity of their position (rows of a class are
+        contiguous, so each half holds about half of every class): [(sketch positions,
+        photo positions)] for halves A and B; a half's kernel is the restriction to its
+        rows (``restricted``)."""
+        n_s = len(self.cond) if sketch_idx is None else len(sketch_idx)
+        n_p = self.cond.shape[1] if photo_idx is None else len(photo_idx)
+        return [(torch.arange(h, n_s, 2), torch.arange(h, n_p, 2)) for h in (0, 1)]
 
     def photo_marginal(self) -> torch.Tensor:
         return self.cond.mean(0)  # (Np,)
@@ -216,66 +250,23 @@ def effective_rank(sv) -> float:
 
 # ------------------------------------------------------------------ training
 
-def train_heads(cfg: Config, sketch_feats, photo_feats, sampler) -> tuple[dict, float]:
-    """The cpu preset's frozen-feature training (training.cdk.train's loop: same seeds,
-    input dropout, SGD, cosine schedule, clipping) on pairs from ``sampler`` (epoch,
-    steps_per_epoch). Returns ({modality: Head}, seconds)."""
-    torch.manual_seed(cfg.seed)
+def train_heads(cfg: Config, sketch_feats, photo_feats, sampler) -> tuple[TrainResult, float]:
+    """training.cdk.train on frozen features (its loop, seeds, input dropout, optimiser,
+    schedule, spectrum pass and, with cfg.sort_modes, the modes sorted by the quotients
+    of ``sampler``'s kernel) with pairs drawn from ``sampler``. Returns (the result,
+    seconds)."""
     D = sketch_feats.shape[1]
-    heads = {m: Head(D, cfg.hidden, cfg.L, cfg.mu) for m in MODALITIES}
-    heads["sketch"].set_feature_stats(sketch_feats)
-    heads["photo"].set_feature_stats(photo_feats)
-    params = [p for m in MODALITIES for p in heads[m].parameters()]
-    B = min(cfg.batch_size, len(sketch_feats))
-    steps = sampler.steps_per_epoch(cfg.batch_size)
-    opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
-                          weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps * cfg.epochs)
-    m_vec, m_mat = nesting_masks(cfg.L, "joint", nesting_weights(cfg), constant_mode=True)
-    drop_gen, keep = torch.Generator(), 1.0 - cfg.input_dropout
+    n = (len(sketch_feats), len(photo_feats))
+    data = TrainData(sketch_feats, photo_feats, np.zeros(n[0], np.int64), np.zeros(n[1], np.int64))
+    backbone = Backbone("features", torch.nn.Identity(), D, (0.0,) * 3, (1.0,) * 3)
     t0 = time.perf_counter()
-    for epoch in range(cfg.epochs):
-        torch.manual_seed(cfg.seed * 1_000_003 + epoch)
-        drop_gen.manual_seed(cfg.seed * 1_000_003 + epoch + 500_009)
-        for h in heads.values():
-            h.train()
-        for s, p in sampler.epoch(cfg.seed, epoch, cfg.batch_size):
-            scales = [None, None]
-            if cfg.input_dropout:
-                scales = [(torch.rand(B, D, generator=drop_gen) < keep).float() / keep
-                          for _ in MODALITIES]
-            f = heads["sketch"](sketch_feats[s], scales[0])
-            g = heads["photo"](photo_feats[p], scales[1])
-            loss = cdk_loss(f, g, m_vec, m_mat)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            sched.step()
-    return heads, time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:  # its checkpoint is not kept
+        res = train(cfg, data, backbone, tmp, device="cpu", sampler=sampler)
+    return res, time.perf_counter() - t0
 
 
-def sort_modes(heads: dict, sampler: KernelSampler, sketch_feats, photo_feats) -> dict:
-    """Both heads' modes reordered by decreasing Rayleigh quotient on the training rows
-    (the preset's --sort-modes). Returns, in that order, the quotients ("sigma") and the
-    norms' estimate sqrt(E f^2 E g^2) under the kernel's marginals ("sigma_norm": what was
-    learned; a mode left near zero has a quotient all the same), and the largest rise
-    among the top 32 quotients as trained."""
-    f, g = _embed(heads["sketch"], sketch_feats), _embed(heads["photo"], photo_feats)
-    sv = sampler.quotients(f, g).float()
-    norm = ((f.double() ** 2).mean(0) * (sampler.photo_marginal() @ g.double() ** 2)).sqrt()
-    perm = torch.argsort(sv, descending=True, stable=True)
-    for h in heads.values():
-        h.permute_modes(perm)
-    return {"sigma": sv[perm].tolist(), "sigma_norm": norm[perm].tolist(),
-            "max_rise_top32_trained": spectrum_order(sv)["max_swap"]}
-
-
-@torch.no_grad()
-def _embed(head: Head, x: torch.Tensor) -> torch.Tensor:
-    head.eval()
-    return torch.cat([head(x[i : i + 8192]) for i in range(0, len(x), 8192)])
+def _embed(head, x: torch.Tensor) -> torch.Tensor:
+    return embed_features(head, x, torch.device("cpu"))
 
 
 # ------------------------------------------------------------------ one run
@@ -307,18 +298,22 @@ def run_kernel(cfg: Config, F: dict, name: str, parts: dict, class_emb=None) -> 
     sl, pl = F["sketch_labels"], F["photo_labels"]
     kernel_sv = sampler.spectrum()
     S, P = F["sketch"], F["photo"]
-    heads, seconds = train_heads(cfg, S[ts], P[tp], sampler)
-    info = {"train_seconds": seconds, **sort_modes(heads, sampler, S[ts], P[tp])}
-    raw = fit_raw_projections(S[ts], P[tp], cfg.raw_dims, cfg.raw_weight)
-    f, g = (embedding(_embed(heads[m], x), x, cfg.unit_embeddings, raw[m])
+    res, seconds = train_heads(cfg, S[ts], P[tp], sampler)
+    # the quotients (the order's estimate) and sqrt(E f^2 E g^2) (what was learned: a mode
+    # left near zero keeps a quotient all the same), in the heads' order
+    info = {"train_seconds": seconds, "sigma": res.singular_values.tolist(),
+            "sigma_norm": res.singular_values_norm.tolist(),
+            "max_rise_top32_trained": res.order_trained["max_swap"]}
+    raw = res.raw or {m: None for m in MODALITIES}
+    f, g = (embedding(_embed(res.heads[m], x), x, cfg.unit_embeddings, raw[m])
             for m, x in (("sketch", S[vs]), ("photo", P[vp])))
     return {"kernel": name, "seed": cfg.seed, "held_out": len(parts["valid"]),
-            **info, **scores(f, g, sl[vs], pl[vp], cfg.L, cfg.k),
+            **info, **scores(f, g, sl[vs], pl[vp], cfg.modes, cfg.k),
             "learned_effective_rank": effective_rank(info["sigma_norm"]),
             "learned_effective_rank_quotients": effective_rank(info["sigma"]),
             "kernel_effective_rank": effective_rank(kernel_sv),
-            "kernel_sigma": kernel_sv[: 2 * cfg.L].tolist(), "load": os.getloadavg()[0],
-            "heads": {m: h.state_dict() for m, h in heads.items()}}
+            "kernel_sigma": kernel_sv[: 2 * cfg.modes].tolist(), "load": os.getloadavg()[0],
+            "heads": {m: h.state_dict() for m, h in res.heads.items()}}
 
 
 def spectrum_row(F: dict, name: str, parts: dict, class_emb=None) -> dict:
@@ -359,9 +354,9 @@ def load_features(cfg: Config) -> dict:
     ds = scan(cfg.data)
     split = split_classes(cfg.split, list(ds.classes))
     seen = ds.restrict(split["train"] + split["valid"])  # never a test-class image
-    bb = build_backbone(cfg.backbone, cfg.backbone_weights or None, cfg.flip_average,
+    bb = build_backbone(cfg.backbone, cfg.backbone_weights or None, cfg.photo_flip_average,
                         cfg.pooling)
-    sketch_bb = with_flip_average(bb, sketch_flip_average(cfg))
+    sketch_bb = with_flip_average(bb, cfg.sketch_flip_average)
     cache = cfg.cache_dir or None
     return {"classes": list(seen.classes), "all_classes": list(ds.classes),
             "sketch_labels": seen.sketch_labels, "photo_labels": seen.photo_labels,
@@ -427,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="held-out sets to run: valid, fold0, fold1, ... (default: all)")
     ap.add_argument("--cache-dir", default="/work/cache/cdk-features")
     ap.add_argument("--override", nargs="*", default=[], metavar="FIELD=VALUE",
-                    help="cpu preset fields to change (JSON values), e.g. epochs=3 L=8")
+                    help="cpu preset fields to change (JSON values), e.g. epochs=3 modes=8")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--spectra", action="store_true",
                     help="only the kernels' exact spectra on the training rows (no training), "

@@ -1,7 +1,7 @@
 """Cheap levers on frozen features, compared on the validation classes only: what the heads
 see (mirror-averaged features, generalised-mean instead of average pooling, thickened sketch
-strokes, the last block's pooled output beside the final features, mirrored views as
-training augmentation), dropout of the heads' input features, the joint-nesting
+strokes, the last block's pooled output beside the final features), dropout of the heads'
+input features, the joint-nesting
 weights, embeddings scaled to unit length before retrieval, and the gallery smoothing
 grid; whether sorting the learned modes by their estimated singular values makes
 better prefixes; and a kernel that pairs each sketch now and then with a photo of a
@@ -15,9 +15,10 @@ compared with (10 validation classes are separated by fewer modes).
 
 Backbone features of every image are computed once (plain and mirrored, average- and
 GeM-pooled, with forward hooks for the last block) and kept in OUT/features.pt; each variant
-then trains the cpu preset's heads (training.cdk.train) on its features and is scored on
-the validation classes. No test class is embedded: this chooses, the training command
-reports.
+then trains the cpu preset's heads (training.cdk.train, given the variant's pair sampler
+and nesting weights) on its features and is scored on the validation classes. No test class
+is embedded: this chooses, the training command reports. ``--smoke`` shrinks the heads and
+the run (a check that the benchmark works, on any small data).
 
     python -m benchmarks.cdk_levers_bench --data ../shared/data/sketchy-mini \\
         --out runs/cdk-levers-bench --seeds 0 1
@@ -37,20 +38,19 @@ import numpy as np
 import torch
 from PIL import ImageFilter
 
-import training.cdk.train as train_mod
 from training.allocator import tune_allocator
 from training.cdk.config import Config
 from training.cdk.data import PairSampler, scan
 from training.cdk.metrics import retrieval_metrics, smoothed_metrics, spectrum_order
-from training.cdk.model.backbones import NATIVE_SIZE, Backbone, build_backbone, global_pool
+from training.cdk.model.backbones import BACKBONES, Backbone, build_backbone, global_pool
 from training.cdk.model.smoothing import Smoothing, smooth
 from training.cdk.run import embed_features, retrieval_embeddings
 from training.cdk.splits import class_folds, split_classes
-from training.cdk.train import TrainData
+from training.cdk.train import TrainData, train
 from training.images import images_to_tensor, load_image
 
 # name -> (sketch feature set, feature keys joined, training options). Options: flip (which
-# modalities are mirror-averaged), views, cap (nesting weights 1/max(l, cap)), dropout (the
+# modalities are mirror-averaged), cap (nesting weights 1/max(l, cap)), dropout (the
 # heads' input dropout; 0 where absent, as the preset had it when those rows were measured),
 # unit (embeddings scaled to unit length before retrieval, model.embedding; off
 # where absent), raw (raw coordinates appended after the modes: (dims, weight),
@@ -66,7 +66,7 @@ VARIANTS = {
     "preset, input dropout 0.4": ("sketch", ["gem"], {**PRESET, "dropout": 0.4}),
     "preset, input dropout 0.5": ("sketch", ["gem"], {**PRESET, "dropout": 0.5}),
     "preset, input dropout 0.6": ("sketch", ["gem"], {**PRESET, "dropout": 0.6}),
-    "preset, L = 128": ("sketch", ["gem"], {**PRESET, "config": {"L": 128}}),
+    "preset, 128 modes": ("sketch", ["gem"], {**PRESET, "config": {"modes": 128}}),
     "preset, weight decay 1e-2": ("sketch", ["gem"], {**PRESET, "config": {"weight_decay": 1e-2}}),
     "preset, hidden 512": ("sketch", ["gem"], {**PRESET, "config": {"hidden": 512}}),
     "preset, + last block pooled": ("sketch", ["gem", "last"], PRESET),
@@ -75,7 +75,6 @@ VARIANTS = {
     "mirror-averaged, GeM pooling": ("sketch", ["gem"], {"flip": "both"}),
     "mirror-averaged photos only": ("sketch", ["gap"], {"flip": "photo"}),
     "mirror-averaged sketches only": ("sketch", ["gap"], {"flip": "sketch"}),
-    "mirrored views in training": ("sketch", ["gap"], {"views": True}),
     "strokes thickened (3x3 min filter)": ("thick", ["gap"], {}),
     "strokes thickened, mirror-averaged": ("thick", ["gap"], {"flip": "both"}),
     "+ last block pooled": ("sketch", ["gap", "last"], {}),
@@ -127,10 +126,11 @@ def similar_class_mixing(photo_feats, labels, alpha: float, tau: float) -> torch
 
 class SimilarClassSampler(PairSampler):
     """p(x, y) = sum_c p(c) p(x|c) sum_c' T[c, c'] p(y|c'): each sketch's photo is drawn
-    from class c' ~ T[c] (class pairing is T = I). ``T`` is set on the class before
-    training.cdk.train builds one."""
+    from class c' ~ T[c] (class pairing is T = I), T: (C, C) rows summing to 1."""
 
-    T: torch.Tensor | None = None
+    def __init__(self, sketch_labels, photo_labels, T: torch.Tensor):
+        super().__init__(sketch_labels, photo_labels)
+        self.T = T
 
     def epoch(self, seed, epoch, batch_size):
         g = torch.Generator().manual_seed(int(seed) * 100_003 + int(epoch) + 1)
@@ -153,20 +153,20 @@ def _features(files, backbone: Backbone, size: int, transform, desc: str) -> dic
     """{"gap", "gem", "last", "flip_gap", "flip_gem", "flip_last"}: (N, D) average- and
     GeM-pooled final features and the last block's average-pooled output, of each image and
     of its mirror image."""
-    net = backbone.module.trunk.net
-    tap = {}
-    net._blocks[-1].register_forward_hook(lambda m, a, o: tap.__setitem__("last", o))
+    stages = BACKBONES[backbone.name].stages(backbone.module.trunk)
     out: dict[str, list] = {}
     t0 = time.perf_counter()
     for i in range(0, len(files), 64):
         x = images_to_tensor([transform(load_image(f)) for f in files[i : i + 64]], size,
                              backbone.mean, backbone.std)
         for prefix, view in (("", x), ("flip_", x.flip(3))):
-            final = net.extract_features(view)
+            h = stages.stem(view)
+            for block in stages.blocks:
+                h = block(h)
+            final = stages.head(h)  # the trunk's maps, with the last block's output beside
             out.setdefault(prefix + "gap", []).append(global_pool(final, "avg"))
             out.setdefault(prefix + "gem", []).append(global_pool(final, "gem"))
-            out.setdefault(prefix + "last", []).append(tap["last"].mean((2, 3)))
-    net._blocks[-1]._forward_hooks.clear()
+            out.setdefault(prefix + "last", []).append(h.mean((2, 3)))
     print(f"  {desc}: {len(files)} images in {time.perf_counter() - t0:.0f}s", flush=True)
     return {k: torch.cat(v) for k, v in out.items()}
 
@@ -178,12 +178,10 @@ def _thicken(im):
 def load_features(data: str, out: Path, backbone: str) -> dict:
     path = out / "features.pt"
     if path.is_file():
-        feats = torch.load(path, weights_only=False)
-        if "gem" in feats["photo"]:  # files of earlier code lack it: recomputed
-            return feats
+        return torch.load(path, weights_only=False)
     ds = scan(data)
     bb = build_backbone(backbone)
-    size = NATIVE_SIZE[backbone]
+    size = BACKBONES[backbone].native_size
     feats = {
         "classes": list(ds.classes), "size": size,
         "sketch_labels": np.asarray(ds.sketch_labels), "photo_labels": np.asarray(ds.photo_labels),
@@ -204,8 +202,9 @@ def _pick(F: dict, mod: str, keys: list[str], flip: bool, prefix: str = "") -> t
     return torch.cat(parts, 1)
 
 
-def run_variant(F: dict, name: str, seed: int, parts: dict) -> dict:
-    """Train variant ``name`` on the classes parts["train"], score it on parts["valid"]."""
+def run_variant(F: dict, name: str, seed: int, parts: dict, smoke: bool = False) -> dict:
+    """Train variant ``name`` on the classes parts["train"], score it on parts["valid"]
+    (``smoke``: SMOKE's small heads and run)."""
     sketch_set, keys, opt = VARIANTS[name]
     flip, unit = opt.get("flip", "none"), opt.get("unit", False)
     S = _pick(F, sketch_set, keys, flip in ("both", "sketch"))
@@ -221,67 +220,75 @@ def run_variant(F: dict, name: str, seed: int, parts: dict) -> dict:
     relabel = {c: i for i, c in enumerate(np.unique(sl[ts]))}
     data = TrainData(S[ts], P[tp], np.array([relabel[c] for c in sl[ts]]),
                      np.array([relabel[c] for c in pl[tp]]))
-    if opt.get("views"):  # the mirrored images' features as a second view to draw from
-        data.sketch_views = _pick(F, sketch_set, keys, False, "flip_")[ts][None]
-        data.photo_views = _pick(F, "photo", keys, False, "flip_")[tp][None]
     raw_dims, raw_weight = opt.get("raw", (0, 1.0))
     cfg = dataclasses.replace(Config(image_size=F["size"]), seed=seed, out="",
                               input_dropout=opt.get("dropout", 0.0), unit_embeddings=unit,
                               raw_dims=raw_dims, raw_weight=raw_weight,
                               sort_modes=False,  # the training order, compared with sorted below
-                              **opt.get("config", {}))
+                              **opt.get("config", {}), **(SMOKE if smoke else {}))
     backbone = Backbone("features", torch.nn.Identity(), S.shape[1], (0, 0, 0), (1, 1, 1))
-    own, own_sampler = train_mod.nesting_weights, train_mod.PairSampler
-    if "mix" in opt:
-        SimilarClassSampler.T = similar_class_mixing(data.photo_feats, data.photo_labels,
-                                                     *opt["mix"])
-        train_mod.PairSampler = SimilarClassSampler
-    if "cap" in opt:  # w_l = 1 / max(l, cap): the first cap modes weighted alike
-        capped = 1.0 / torch.arange(1, cfg.L + 1, dtype=torch.float64).clamp_min(opt["cap"])
-        train_mod.nesting_weights = lambda c: capped
-    if "power" in opt:
-        steep = torch.arange(1, cfg.L + 1, dtype=torch.float64) ** -float(opt["power"])
-        train_mod.nesting_weights = lambda c: steep
     t0 = time.perf_counter()
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            res = train_mod.train(cfg, data, backbone, tmp, device="cpu")
-    finally:
-        train_mod.nesting_weights, train_mod.PairSampler = own, own_sampler
+    with tempfile.TemporaryDirectory() as tmp:
+        res = train(cfg, data, backbone, tmp, device="cpu", sampler=_sampler(opt, data),
+                    weights=_weights(opt, cfg.modes))
     seconds = time.perf_counter() - t0
     dev = torch.device("cpu")
     # as training's evaluation and the Embedder embed: unit length, then raw coordinates
     f, g = retrieval_embeddings(cfg, res, embed_features(res.heads["sketch"], S[vs], dev),
                                 embed_features(res.heads["photo"], P[vp], dev), S[vs], P[vp])
     labels = (sl[vs], pl[vp])
-    learned = retrieval_metrics(f[:, : cfg.L], g[:, : cfg.L], *labels, cfg.k)
+    learned = retrieval_metrics(f[:, : cfg.modes], g[:, : cfg.modes], *labels, cfg.k)
     full = retrieval_metrics(f, g, *labels, cfg.k)
-    by_d = {d: retrieval_metrics(f[:, :d], g[:, :d], *labels, cfg.k)["map_all"]
-            for d in (1, 2, 4, 8, 16, 32, 64)}
+    dims = [d for d in (1, 2, 4, 8, 16, 32, 64) if d <= cfg.modes]
+    by_d = {d: retrieval_metrics(f[:, :d], g[:, :d], *labels, cfg.k)["map_all"] for d in dims}
     order = torch.argsort(-res.singular_values, stable=True)  # modes sorted by sigma
     sorted_d = {d: retrieval_metrics(f[:, order[:d]], g[:, order[:d]], *labels,
-                                     cfg.k)["map_all"] for d in (1, 2, 4, 8, 16, 32, 64)}
+                                     cfg.k)["map_all"] for d in dims}
+    d16 = str(min(16, cfg.modes))
     sm = smoothed_metrics(f, g, *labels, cfg.k, Smoothing())  # as index.build stores it
     # the modes sorted by sigma (the preset's --sort-modes), raw coordinates after them
-    perm = torch.cat([order, torch.arange(cfg.L, f.shape[1])])
+    perm = torch.cat([order, torch.arange(cfg.modes, f.shape[1])])
     sm_sorted = smoothed_metrics(f[:, perm], g[:, perm], *labels, cfg.k, Smoothing())
-    L = str(cfg.L)
-    return {"variant": name, "seed": seed, "valid_classes": len(parts["valid"]),
+    L = str(cfg.modes)
+    return {"variant": name, "seed": seed, "valid_classes": len(parts["valid"]), "k": cfg.k,
+            "d16": d16,  # the d of the "d16" numbers: 16, or all modes when fewer
             "valid_map": full["map_all"],
             "learned_valid_map": learned["map_all"],
             "learned_valid_p10": learned["precision_at_k"],
-            "valid_p10": full["precision_at_k"], "d16_share": by_d[16] / full["map_all"],
+            "valid_p10": full["precision_at_k"], "d16_share": by_d[int(d16)] / full["map_all"],
             "max_swap_top32": spectrum_order(res.singular_values)["max_swap"],
             "max_swap_top32_norm": spectrum_order(res.singular_values_norm)["max_swap"],
-            "smoothed_d16_share": sm["map_by_dims"]["16"] / sm["map_all"],
+            "smoothed_d16_share": sm["map_by_dims"][d16] / sm["map_all"],
             "smoothed_valid_map": sm["map_all"], "smoothed_valid_p10": sm["precision_at_k"],
             # the target's measure: d = 16 against all L modes, both against the smoothed
             # gallery (what dims=16 and dims=L queries of the default index score)
-            "modes_d16_share": sm["map_by_dims"]["16"] / sm["map_by_dims"][L],
-            "modes_d16_share_sorted": sm_sorted["map_by_dims"]["16"] / sm_sorted["map_by_dims"][L],
+            "modes_d16_share": sm["map_by_dims"][d16] / sm["map_by_dims"][L],
+            "modes_d16_share_sorted": sm_sorted["map_by_dims"][d16] / sm_sorted["map_by_dims"][L],
             "smoothed_map_by_dims_sorted": sm_sorted["map_by_dims"],
             "map_by_dims": by_d, "map_by_dims_sorted_by_sigma": sorted_d,
             "train_seconds": seconds, "embeddings": (f, g, labels)}
+
+
+# --smoke: small heads and a short run, to check the benchmark on small data
+SMOKE = {"modes": 8, "hidden": 16, "epochs": 2, "batch_size": 8, "k": 2}
+
+
+def _sampler(opt: dict, data: TrainData) -> PairSampler:
+    """The variant's pair sampler: class pairing, or the similar-class one ("mix")."""
+    if "mix" not in opt:
+        return PairSampler(data.sketch_labels, data.photo_labels)
+    T = similar_class_mixing(data.photo_feats, data.photo_labels, *opt["mix"])
+    return SimilarClassSampler(data.sketch_labels, data.photo_labels, T)
+
+
+def _weights(opt: dict, modes: int) -> torch.Tensor | None:
+    """The variant's joint-nesting weights, or None for the config's."""
+    l = torch.arange(1, modes + 1, dtype=torch.float64)  # noqa: E741
+    if "cap" in opt:  # w_l = 1 / max(l, cap): the first cap modes weighted alike
+        return 1.0 / l.clamp_min(opt["cap"])
+    if "power" in opt:
+        return l ** -float(opt["power"])
+    return None
 
 
 def smoothing_grid(f, g, labels, k: int) -> list[dict]:
@@ -331,8 +338,8 @@ def _table(results: list[dict], variants: list[str]) -> None:
         paired = "-"
         if pairs and name != "preset":
             dm = np.mean([a["smoothed_valid_map"] - b["smoothed_valid_map"] for a, b in pairs])
-            d16 = np.mean([a["smoothed_map_by_dims_sorted"]["16"]
-                           - b["smoothed_map_by_dims_sorted"]["16"] for a, b in pairs])
+            d16 = np.mean([a["smoothed_map_by_dims_sorted"][a["d16"]]
+                           - b["smoothed_map_by_dims_sorted"][b["d16"]] for a, b in pairs])
             paired = f"{dm:+.3f}, {d16:+.3f} ({len(pairs)})"
         print(f"| {name} | {len(rs)} | {mean['valid_map']:.3f} | "
               f"{mean['valid_p10']:.3f} | {mean['d16_share']:.2f} | "
@@ -357,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fold-ids", nargs="*", type=int, default=None,
                     help="which folds to hold out (default: all)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true",
+                    help="small heads and a 2-epoch run: checks the benchmark, measures nothing")
     ap.add_argument("--report", action="store_true",
                     help="print the table of OUT/results.jsonl's runs (those with a fold) "
                          "and exit")
@@ -372,12 +381,13 @@ def main(argv: list[str] | None = None) -> int:
         _table(runs, list(dict.fromkeys(r["variant"] for r in runs)))
         return 0
     F = load_features(args.data, out, args.backbone)
+    out.mkdir(parents=True, exist_ok=True)
     folds = folds_of(F, args.split, args.folds, args.fold_ids)
     results = []
     for name in args.variants:
         for fold, parts in folds:
             for seed in args.seeds:
-                r = run_variant(F, name, seed, parts)
+                r = run_variant(F, name, seed, parts, args.smoke)
                 emb = r.pop("embeddings")
                 r["fold"] = fold
                 results.append(r)
@@ -390,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['modes_d16_share']:.3f} (sorted {r['modes_d16_share_sorted']:.3f}) "
                       f"({r['train_seconds']:.0f}s)", flush=True)
                 if name == "mirror-averaged" and seed == args.seeds[0] and fold == "valid":
-                    grid = smoothing_grid(*emb, Config().k)
+                    grid = smoothing_grid(*emb, r["k"])
                     (out / "smoothing_grid.json").write_text(json.dumps(grid, indent=1))
                     print("smoothing grid (valid mAP; rows: rounds, k; columns: weight 1 2 4 8)")
                     for rounds in (1, 2, 3):

@@ -14,8 +14,6 @@ augmented views per image would cost V times that and then step at the cached sp
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
 import time
 
 import torch
@@ -23,58 +21,52 @@ import torch
 from training.allocator import tune_allocator
 from training.cdk.config import NESTING_OF, make_config, nesting_weights
 from training.cdk.data import PairSampler, scan
-from training.cdk.finetune import Split, StepImages
+from training.cdk.inputs import ImageInputs, set_train_mode
 from training.cdk.model.backbones import build_backbone
-from training.cdk.model.heads import MODALITIES, Head
 from training.cdk.splits import split_classes
-from training.cdk.train import PairModel, TrainData, _Inputs, _train_mode
-from training.loss import cdk_loss, nesting_masks
+from training.cdk.train import InputDropout, Step, TrainData, build_model
+from training.loss import nesting_masks
+
+CPU = torch.device("cpu")
 
 
 def _setup(cfg, bb, tr, n_cache, cache=True):
-    """(model, optimizer, masks, inputs, cache seconds per image, data) for cfg; the cache
-    (if any) over the first n_cache images; cache=False: the trunk runs at every step."""
-    torch.manual_seed(0)
-    heads = {m: Head(bb.feature_dim, cfg.hidden, cfg.L, cfg.mu) for m in MODALITIES}
-    bbs = {m: copy.deepcopy(bb.module) for m in MODALITIES}
-    splits = {m: Split(bbs[m], bb.name, cfg.trainable_stages) for m in MODALITIES}
-    for s in splits.values():
-        s.freeze()
-    model = PairModel(heads, bbs, splits)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
-    masks = nesting_masks(cfg.L, NESTING_OF[cfg.method], nesting_weights(cfg),
-                          constant_mode=True)
+    """(model, step, inputs, cache seconds per image, data) for cfg: training's own model,
+    step and inputs; the cache (if any) over the first n_cache images; cache=False: the
+    trunk runs at every step."""
     cached = cache and cfg.trainable_stages > 0 and not cfg.augment
     n = max(n_cache, cfg.batch_size) if cached else len(tr.sketches)  # a full batch
-    data = TrainData(torch.zeros(1), torch.zeros(1), tr.sketch_labels[:n], tr.photo_labels[:n],
-                     None, list(tr.sketches[:n]), list(tr.photos[:n]))
+    stats = torch.randn(8, bb.feature_dim, generator=torch.Generator().manual_seed(0))
+    data = TrainData(stats, stats,  # the heads' standardisation only: timing needs no more
+                     tr.sketch_labels[:n], tr.photo_labels[:n], None, list(tr.sketches[:n]),
+                     list(tr.photos[:n]))
+    torch.manual_seed(0)
+    model = build_model(data, bb, cfg.hidden, cfg.modes, cfg.mu, True, cfg.trainable_stages)
+    params = [p for p in model.parameters() if p.requires_grad]
+    masks = nesting_masks(cfg.modes, NESTING_OF[cfg.method], nesting_weights(cfg),
+                          constant_mode=True)
+    step = Step(model, params, masks, torch.optim.SGD(params, lr=1e-3, momentum=0.9), None,
+                cfg.grad_clip, InputDropout(0.0, bb.feature_dim, cfg.batch_size, slice(None),
+                                            CPU), CPU)
     t0 = time.perf_counter()
-    # built as if augmented (no cache), then given the configured images
-    inputs = _Inputs(cfg if cached else dataclasses.replace(cfg, augment=True), data, bb,
-                     splits, torch.device("cpu"))
-    inputs.cfg = cfg
-    inputs.images = StepImages(data.sketch_files, data.photo_files, cfg.image_size, bb.mean,
-                               bb.std, cfg.augment, cfg.seed)
+    inputs = ImageInputs({"sketch": data.sketch_files, "photo": data.photo_files}, bb, model,
+                         cfg.image_size, cfg.augment, cfg.seed, cfg.workers, None, CPU,
+                         cache=cached)
     build = (time.perf_counter() - t0) / n  # seconds per image (both modalities)
-    return model, opt, masks, inputs, build, data
+    return model, step, inputs, build, data
 
 
-def _time_steps(cfg, model, opt, masks, inputs, data, steps, warmup):
+def _time_steps(cfg, model, step, inputs, data, steps, warmup):
     sampler = PairSampler(data.sketch_labels, data.photo_labels)
     batches = []
     for e in range(100):
         batches += list(sampler.epoch(0, e, cfg.batch_size))
         if len(batches) >= steps + warmup:
             break
-    _train_mode(model, cfg)
+    set_train_mode(model)
     times, t = [], time.perf_counter()
     for xs, ys in inputs.steps(batches[: steps + warmup], 0):
-        f, g = model(xs, ys)
-        loss = cdk_loss(f, g, *masks)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        step(xs, ys)
         now = time.perf_counter()
         times.append(now - t)
         t = now
@@ -93,7 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="128,256")
     ap.add_argument("--stages", default="1,2,3", help="K at the first batch size")
     ap.add_argument("--stages-other", default="1,2,3", help="K at the other batch sizes")
+    ap.add_argument("--smoke", action="store_true",
+                    help="small heads and images: checks the benchmark, measures nothing")
     args = ap.parse_args(argv)
+    overrides = {"modes": 4, "hidden": 16, "image_size": 32} if args.smoke else {}
 
     ds = scan(args.data)
     tr = ds.restrict(split_classes(args.split, list(ds.classes))["train"])
@@ -108,23 +103,23 @@ def main(argv: list[str] | None = None) -> None:
             for path, augment, cached, workers in (("trunk cache", False, True, 0),
                                                    ("trunk no_grad", False, False, 0),
                                                    ("trunk no_grad + aug", True, False, 0)):
-                cfg = make_config("cpu", finetune=True, flip_average=False, raw_dims=0,
-                                  trainable_stages=K, augment=augment,
-                                  batch_size=B, workers=workers)
-                model, opt, masks, inputs, build, data = _setup(cfg, bb, tr, args.cache_images,
-                                                                cached)
-                s = _time_steps(cfg, model, opt, masks, inputs, data, args.steps, args.warmup)
+                cfg = make_config("cpu", finetune=True, photo_flip_average=False, raw_dims=0,
+                                  trainable_stages=K, augment=augment, batch_size=B,
+                                  workers=workers, **overrides)
+                model, step, inputs, build, data = _setup(cfg, bb, tr, args.cache_images,
+                                                          cached)
+                s = _time_steps(cfg, model, step, inputs, data, args.steps, args.warmup)
                 spe = max(1, n // B)
                 once = build * n if cached else 0.0
                 print(f"{B:>5} {K:>2} {path:<22} {workers:>7} {s:>7.2f} {spe:>8} "
                       f"{s * spe:>8.1f} {once:>14.1f}", flush=True)
     B, K = int(args.batches.split(",")[0]), 2
     for workers in (1, 2):  # workers 0: the row above
-        cfg = make_config("cpu", finetune=True, flip_average=False, raw_dims=0,
-                          trainable_stages=K,
-                          augment=True, batch_size=B, workers=workers)
-        model, opt, masks, inputs, _, data = _setup(cfg, bb, tr, args.cache_images)
-        s = _time_steps(cfg, model, opt, masks, inputs, data, args.steps, args.warmup)
+        cfg = make_config("cpu", finetune=True, photo_flip_average=False, raw_dims=0,
+                          trainable_stages=K, augment=True, batch_size=B, workers=workers,
+                          **overrides)
+        model, step, inputs, _, data = _setup(cfg, bb, tr, args.cache_images)
+        s = _time_steps(cfg, model, step, inputs, data, args.steps, args.warmup)
         spe = max(1, n // B)
         print(f"{B:>5} {K:>2} {'trunk no_grad + aug':<22} {workers:>7} {s:>7.2f} {spe:>8} "
               f"{s * spe:>8.1f} {0.0:>14.1f}", flush=True)

@@ -1,23 +1,28 @@
-"""Sketch encoder (backbone + head) on the CPU: PyTorch vs ONNX Runtime vs OpenVINO, same run.
+"""Sketch encoder (backbone + head) on the CPU: PyTorch, ONNX Runtime float32 and int8, and
+OpenVINO float32 and int8 (NNCF) when installed, same run.
 
     python benchmarks/encoder_bench.py [--checkpoint CKPT] [--threads 1 2] [--batches 1 4 16]
+    python benchmarks/encoder_bench.py --smoke     # a tiny checkpoint, seconds: a check
 
 Prints milliseconds per image (best of `--repeats` timed calls after a warm-up) for each
 runtime, thread count and batch size, and each runtime's largest difference from PyTorch's
 embedding relative to the embedding's scale. This is how the service's CPU path was chosen
-(training/cdk/model/export.py): ONNX Runtime in float32. OpenVINO is measured when it is installed
-(`pip install openvino`; not a dependency), in float32 and in its default precision, which
-is bf16 on CPUs with AVX512-BF16 or AMX. Per-image time by batch size also says whether
-forming micro-batches of concurrent requests would pay.
+(training/cdk/model/export.py): ONNX Runtime, in int8 where it holds parity
+(training/cdk/model/quantize.py) and is faster. Both int8 graphs are calibrated on the same
+images: training-class sketches of the checkpoint's data when it is at hand (`--data`
+overrides its folder), else random images (speed only). OpenVINO is measured when
+`openvino` (and `nncf` for int8) are installed; they are not dependencies.
 
 Without --checkpoint it uses an untrained checkpoint shaped like the `cpu` preset
-(EfficientNet-Lite1 at 240 px, head 1024 -> L=256): timing does not depend on training.
+(EfficientNet-Lite1 at 240 px, head 1024 -> 256 modes + 256 raw): timing does not depend on
+training.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +35,15 @@ sys.path.insert(0, str(REPO))
 from training.allocator import tune_allocator  # noqa: E402
 from training.cdk.model.checkpoint import init_checkpoint  # noqa: E402
 from training.cdk.model.embedder import Embedder  # noqa: E402
-from training.cdk.model.export import OnnxEncoder, export_encoder  # noqa: E402
+from training.cdk.model.export import INPUT, OnnxEncoder, export_encoder  # noqa: E402
+from training.cdk.model.quantize import (  # noqa: E402
+    QuantizationError,
+    calibration_files,
+    calibration_sets,
+    measure_parity,
+    preprocessed,
+    quantize_graph,
+)
 
 
 def best_ms(fn, repeats: int) -> float:
@@ -43,49 +56,117 @@ def best_ms(fn, repeats: int) -> float:
     return 1000 * min(times)
 
 
-def runtimes(embedder: Embedder, model: bytes, threads: int) -> dict:
-    """name -> callable (N, 3, S, S) float32 array -> (N, L)."""
-    torch.set_num_threads(threads)
-    out = {"torch": lambda x: embedder.encode(torch.from_numpy(x), "sketch").numpy()}
-    out["onnxruntime"] = OnnxEncoder(model, embedder.checkpoint_sha256, threads=threads)
+def calibration(embedder: Embedder, data: Path | None, n: int):
+    """(1, 3, S, S) batches: training-class sketches, else random images; and the
+    validation classes (None without the data)."""
+    try:
+        train, valid = calibration_sets(embedder.config, data)
+        files = calibration_files(train, "sketch", n)
+        return [b[i : i + 1] for b in preprocessed(embedder, files, "sketch")
+                for i in range(len(b))], valid
+    except QuantizationError as err:
+        print(f"calibrating on random images (speed only, no parity): {err}")
+        rng = np.random.default_rng(0)
+        size = embedder.image_size
+        return [rng.standard_normal((1, 3, size, size), np.float32) for _ in range(n)], None
+
+
+def openvino_runtimes(model: bytes, threads: int, batches: list[np.ndarray]) -> dict:
     try:
         import openvino as ov
     except ImportError:
         print("openvino is not installed: not measured")
-        return out
+        return {}
     core = ov.Core()
-    for name, precision in (("openvino-f32", "f32"), ("openvino-default", None)):
-        cfg = {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY"}
-        if precision:
-            cfg["INFERENCE_PRECISION_HINT"] = precision
-        compiled = core.compile_model(core.read_model(model, b""), "CPU", cfg)
-        out[name] = lambda x, c=compiled: c(x)[0]
-    return out
+    fp32 = core.read_model(model, b"")
+    cfg = {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY",
+           "INFERENCE_PRECISION_HINT": "f32"}  # else bf16 on CPUs that have it
+    out = {"openvino-f32": core.compile_model(fp32, "CPU", cfg)}
+    try:
+        import nncf
+    except ImportError:
+        print("nncf is not installed: OpenVINO int8 not measured")
+    else:
+        q = nncf.quantize(fp32, nncf.Dataset(batches), subset_size=len(batches),
+                          preset=nncf.QuantizationPreset.MIXED)
+        out["openvino-int8"] = core.compile_model(q, "CPU", cfg)
+    return {name: (lambda x, c=c: c(x)[0]) for name, c in out.items()}
+
+
+def runtimes(embedder: Embedder, model: bytes, int8: bytes, threads: int,
+             batches: list[np.ndarray]) -> dict:
+    """name -> callable (N, 3, S, S) float32 array -> (N, width)."""
+    torch.set_num_threads(threads)
+    sha = embedder.checkpoint_sha256
+    out = {"torch": lambda x: embedder.encode(torch.from_numpy(x), "sketch").numpy(),
+           "onnxruntime": OnnxEncoder(model, sha, threads=threads),
+           "onnxruntime-int8": OnnxEncoder(int8, sha, threads=threads, precision="int8")}
+    return {**out, **openvino_runtimes(model, threads, batches)}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", type=Path, default=None)
+    p.add_argument("--data", type=Path, default=None, help="the checkpoint's training data "
+                   "(default: the folder its config names)")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--calibration", type=int, default=128, help="calibration images")
+    p.add_argument("--smoke", action="store_true", help="a tiny checkpoint, one thread, "
+                   "small batches: checks that the benchmark runs")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.threads, args.batches, args.repeats, args.calibration = [1], [1, 2], 2, 4
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     tune_allocator()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", type=Path, default=None)
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args(argv)
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="encoder-bench-") as tmp:
+        if args.smoke:
+            ckpt = init_checkpoint(Path(tmp) / "ckpt.pt", modes=8, hidden=16, image_size=64,
+                                   raw_dims=0)
+        else:
+            ckpt = args.checkpoint or init_checkpoint(
+                REPO / "runs" / "bench" / "encoder-ckpt.pt", backbone="efficientnet-lite1",
+                modes=256, hidden=1024, image_size=240)
+        embedder = Embedder.from_checkpoint(ckpt, device="cpu")
+        t0 = time.perf_counter()
+        model = export_encoder(embedder)
+        t1 = time.perf_counter()
+        batches, valid = calibration(embedder, args.data, args.calibration)
+        int8 = _as_int8(quantize_graph(model, iter(batches), INPUT))
+        print(f"{embedder.backbone} at {embedder.image_size} px, width {embedder.width}; "
+              f"export {t1 - t0:.1f} s, {len(model) / 1e6:.1f} MB; int8 "
+              f"{time.perf_counter() - t1:.1f} s, {len(int8) / 1e6:.1f} MB")
+        if valid is not None:  # the rule the service applies (training.cdk.model.quantize)
+            sha = embedder.checkpoint_sha256
+            parity = measure_parity(embedder, valid, "sketch", OnnxEncoder(model, sha),
+                                    OnnxEncoder(int8, sha, precision="int8"))
+            print(f"int8 parity: {parity}: {'holds' if parity.holds() else 'fails'}")
+        measure(embedder, model, int8, args, batches)
+    return 0
 
-    ckpt = args.checkpoint or init_checkpoint(REPO / "runs" / "bench" / "encoder-ckpt.pt",
-                                              backbone="efficientnet-lite1", L=256,
-                                              hidden=1024, image_size=240)
-    embedder = Embedder.from_checkpoint(ckpt, device="cpu")
-    t0 = time.perf_counter()
-    model = export_encoder(embedder)
-    print(f"{embedder.backbone} at {embedder.image_size} px, width {embedder.width}; export "
-          f"{time.perf_counter() - t0:.1f} s, {len(model) / 1e6:.1f} MB")
+
+def _as_int8(graph: bytes) -> bytes:
+    import onnx
+
+    proto = onnx.load_from_string(graph)
+    for prop in proto.metadata_props:
+        if prop.key == "precision":
+            prop.value = "int8"
+    return proto.SerializeToString()
+
+
+def measure(embedder: Embedder, model: bytes, int8: bytes, args, batches) -> None:
     size = embedder.image_size
     print(f"{'threads':>7} {'batch':>5} {'runtime':>17} {'ms/image':>9} {'vs torch':>8} "
           f"{'max |diff|/scale':>16}")
     with torch.inference_mode():
         for threads in args.threads:
-            encoders = runtimes(embedder, model, threads)
+            encoders = runtimes(embedder, model, int8, threads, batches)
             for n in args.batches:
                 x = np.random.default_rng(n).standard_normal((n, 3, size, size), np.float32)
                 ref = encoders["torch"](x)
@@ -97,7 +178,6 @@ def main(argv: list[str] | None = None) -> int:
                     err = float(np.abs(enc(x) - ref).max()) / scale
                     print(f"{threads:>7} {n:>5} {name:>17} {ms:>9.2f} {base / ms:>7.2f}x "
                           f"{err:>16.1e}")
-    return 0
 
 
 if __name__ == "__main__":

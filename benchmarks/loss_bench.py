@@ -60,6 +60,8 @@ def grads(loss_fn, inputs, n):
 def bench(name, hand, auto, inputs, n_grad, repeats, sync):
     gh, ga = grads(hand, inputs, n_grad), grads(auto, inputs, n_grad)
     err = max(((a - b).norm() / b.norm()).item() for a, b in zip(gh, ga, strict=True))
+    if not err < 1e-4:
+        raise SystemExit(f"{name}: the hand-written and autograd gradients differ ({err:.1e})")
     step_time(hand, inputs, sync), step_time(auto, inputs, sync)  # warm-up
     th, ta = [], []
     for _ in range(repeats):
@@ -79,6 +81,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="auto", help="auto: CUDA when present")
+    parser.add_argument("--smoke", action="store_true",
+                        help="small sizes, one repeat: checks the benchmark, measures nothing")
     args = parser.parse_args(argv)
     device = pick_device(args.device)
 
@@ -88,7 +92,7 @@ def main(argv=None):
 
     print(f"device {device}, float32, torch {torch.__version__}, threads {torch.get_num_threads()}")
     gen = torch.Generator().manual_seed(0)
-    for B, L in [(4096, 512), (512, 16)]:
+    for B, L in [(64, 8)] if args.smoke else [(4096, 512), (512, 16)]:
         f = torch.randn(B, L, generator=gen).to(device)
         g = torch.randn(B, L, generator=gen).to(device)
         # (name, hand-written, autograd, leaves differentiated, CDK masks with constant mode)
@@ -99,7 +103,9 @@ def main(argv=None):
             m, M = (x.float().to(device) for x in nesting_masks(L, constant_mode=constant))
             hand_fn = functools.partial(hand, vector_mask=m, matrix_mask=M)
             auto_fn = functools.partial(auto, m=m, M=M)
-            bench(name, hand_fn, auto_fn, [f, g], n_grad, args.repeats, sync)
+            bench(name, hand_fn, auto_fn, [f, g], n_grad, 1 if args.smoke else args.repeats,
+                  sync)
+
 
 if __name__ == "__main__":
     main()

@@ -8,7 +8,7 @@ after (1) one `POST /retrieve/batch` of `--files` legal `--side` x `--side` RGBA
 strokes on a transparent background, about 75 KB each) and (2) `--batches` such requests at
 once. (1) is the memory of one admitted request; (2) the growth under a burst. Without
 --index it builds a small one from an untrained checkpoint at 224 px (memory does not depend
-on training).
+on training). `--smoke`: small images in a temporary folder, a check that it runs.
 """
 
 from __future__ import annotations
@@ -17,15 +17,20 @@ import argparse
 import asyncio
 import io
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from service.client import AsyncClient, ServiceError  # noqa: E402
+
 MB = 1024 * 1024
 
 
@@ -54,12 +59,16 @@ def peak_rss(pid: int) -> int:
 
 async def burst(base: str, png: bytes, batches: int, files: int) -> list[int]:
     """`batches` concurrent /retrieve/batch requests of `files` copies of `png`: statuses."""
-    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
-        posts = [client.post("/retrieve/batch", params={"k": 5},
-                             files=[("files", (f"q{j}.png", png, "image/png"))
-                                    for j in range(files)])
-                 for _ in range(batches)]
-        return [r.status_code for r in await asyncio.gather(*posts)]
+
+    async def one(service: AsyncClient) -> int:
+        try:
+            await service.retrieve_batch([png] * files, k=5)
+        except ServiceError as err:
+            return err.status
+        return 200
+
+    async with AsyncClient(base, timeout=600, connections=batches) as service:
+        return list(await asyncio.gather(*(one(service) for _ in range(batches))))
 
 
 def measure(base: str, pid: int, png: bytes, batches: int, files: int) -> dict:
@@ -77,17 +86,16 @@ def measure(base: str, pid: int, png: bytes, batches: int, files: int) -> dict:
             "statuses": one + many, "seconds_one": t1 - t0, "seconds_burst": t2 - t1}
 
 
-def prepare_index(out: Path) -> Path:
-    """A 15-photo index from an untrained 224-px checkpoint (once)."""
-    if (out / "index" / "index.json").is_file():
+def prepare_index(out: Path, image_size: int = 224) -> Path:
+    """A 15-photo index from an untrained checkpoint (once)."""
+    if (out / "index" / "CURRENT").is_file():
         return out / "index"
-    sys.path.insert(0, str(REPO))
     from index.build import build_index
     from tests.fakes import make_gallery
     from training.cdk.model.checkpoint import init_checkpoint
     from training.cdk.model.embedder import Embedder
 
-    ckpt = init_checkpoint(out / "checkpoint.pt", L=16, hidden=64, image_size=224)
+    ckpt = init_checkpoint(out / "checkpoint.pt", modes=16, hidden=64, image_size=image_size)
     photos = make_gallery(out / "photos", classes=3, per_class=5, size=64)
     build_index(Embedder.from_checkpoint(ckpt, device="cpu"), photos, out / "index", ckpt,
                 progress=False)
@@ -95,7 +103,6 @@ def prepare_index(out: Path) -> Path:
 
 
 def start_service(index: Path, *flags: str) -> tuple[str, subprocess.Popen]:
-    sys.path.insert(0, str(REPO))
     from benchmarks.service_bench import free_port, wait_healthy
 
     port = free_port()
@@ -115,22 +122,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, default=4, help="concurrent batch requests")
     p.add_argument("--files", type=int, default=16, help="images per batch request")
     p.add_argument("--side", type=int, default=4095, help="image width and height")
+    p.add_argument("--smoke", action="store_true", help="2 batches of 2 images of 512 px on a "
+                   "tiny index in a temporary folder: checks that the benchmark runs")
     args = p.parse_args(argv)
-
-    index = args.index or prepare_index(args.work)
-    png = big_sketch_png(args.side)
-    base, proc = start_service(index)
+    if args.smoke:
+        args.batches, args.files, args.side = 2, 2, 512
+        args.work = Path(tempfile.mkdtemp(prefix="memory-bench-"))
     try:
-        res = measure(base, proc.pid, png, args.batches, args.files)
+        index = args.index or prepare_index(args.work, 64 if args.smoke else 224)
+        png = big_sketch_png(args.side)
+        base, proc = start_service(index, *(("--encoder", "torch") if args.smoke else ()))
+        try:
+            res = measure(base, proc.pid, png, args.batches, args.files)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        if args.smoke:
+            shutil.rmtree(args.work, ignore_errors=True)
     print(f"{args.files} x {args.side}x{args.side} RGBA PNG per request "
           f"({args.files * len(png) / MB:.2f} MB), baseline peak RSS {res['start'] / MB:.0f} MB")
     print(f"one request: peak RSS +{res['one'] / MB:.0f} MB ({res['seconds_one']:.1f} s)")
     print(f"{args.batches} concurrent: peak RSS +{res['burst'] / MB:.0f} MB "
           f"({res['seconds_burst']:.1f} s); statuses {res['statuses']}")
-    return 0
+    return 0 if set(res["statuses"]) == {200} else 1
 
 
 if __name__ == "__main__":

@@ -1,32 +1,36 @@
 """Benchmark of the operator experiments (python -m training.pde).
 
 1. Seconds per training step of each method at the paper architecture (L = 16 disjoint
-   3-layer MLPs, 128 hidden, K = 1024 Fourier features; hydrogen), batch 128 and 512.
+   3-layer MLPs, 128 hidden, K = 1024 Fourier features; hydrogen), batch 128 and 512, with
+   the default arithmetic (``--stencil-precision auto --fused-update auto``).
 2. The cpu preset's measures for NeuralSVD-seq, NeuralSVD-jnt, NeuralEF and SpIN side by
    side at the same budget (same preset, iterations and seed).
-3. The grid solver (5-point finite differences + scipy eigsh): error and time.
+3. The grid solver the problem carries (finite differences + scipy eigsh): error and time.
+
+With --preset-steps it only times one step of each problem's cpu preset with the
+finite-difference stencil (the default arithmetic) and with the forward-mode Laplacian,
+interleaved, 1 thread (CPU seconds beside wall seconds, for a shared machine):
+
+    python -m benchmarks.pde_bench --preset-steps --steps 20
 
     python -m benchmarks.pde_bench --out runs/pde-bench [--iterations N] [--skip-steps]
 
 Writes OUT/bench.json and OUT/errors_by_method.png and prints markdown tables.
 
-With --paper-step it only times the NeuralSVD-seq step (finite-difference Laplacian) at
-the paper architecture on 1 thread, batch 128 and 512, in fp32, with the bf16 stencil
-(--stencil-precision bf16) and with it and the fused update (--fused-update true), against
-the step it replaced (every stencil point differentiated, T f carrying its graph), all
-interleaved in one process, next to the paper's published code timed on the same 2-core
-machine:
+With --paper-step it only times the NeuralSVD-seq step (finite-difference Laplacian, the
+update and the EMA included) at the paper architecture on 1 thread, batch 128 and 512, with
+the default arithmetic and with the former defaults (fp32 stencil, torch's RMSprop), the
+two interleaved in one process. With --paper-code DIR --paper-python PY it also runs the
+paper's published code (a checkout of github.com/jongharyu/neural-svd at DIR, run by the
+interpreter PY of an environment that has its dependencies: torch, scipy<1.17, torch-ema,
+ConfigArgParse, tensorboardX, classy_vision, termplotlib, toml) on the same problem and
+architecture, 1 thread, between its own measurements, for --rounds rounds, and prints the
+ratios measured side by side:
 
-    python -m benchmarks.pde_bench --paper-step --steps 9
+    python -m benchmarks.pde_bench --paper-step --steps 9 --rounds 3 \\
+        --paper-code /work/cache/neural-svd --paper-python /work/cache/paper-python
 
-With --paper-code DIR --paper-python PY it also runs the paper's published code (a checkout
-of github.com/jongharyu/neural-svd at DIR, run by the interpreter PY of an environment
-that has its dependencies: torch, scipy<1.17, torch-ema, ConfigArgParse, pandas, ...) on
-the same problem and architecture, 1 thread, between its own measurements, for --rounds
-rounds, and prints the ratios measured side by side:
-
-    python -m benchmarks.pde_bench --paper-step --steps 9 --rounds 3 \
-        --paper-code /tmp/nsvd --paper-python /tmp/refvenv/bin/python
+--smoke runs every part on a tiny architecture and batch (seconds), for the tests.
 """
 
 from __future__ import annotations
@@ -46,119 +50,109 @@ import torch
 from training.allocator import tune_allocator
 from training.device import pick_device
 from training.pde import plots
-from training.pde.checkpoint import build_model
+from training.pde.arithmetic import choose_fused_update, choose_stencil_precision
 from training.pde.config import preset
 from training.pde.grid import solve_grid
-from training.pde.laplacian import negative_hamiltonian
-from training.pde.methods import make_method
 from training.pde.problems import make_problem
 from training.pde.run import run
-from training.pde.update import FusedUpdate
+from training.pde.train import Trainer
 
 METHODS = ["neuralsvd-seq", "neuralsvd-jnt", "neuralef", "spin"]
-# The paper's published code, same problem and architecture (NeuralSVD-seq, fd), seconds
-# per step on 1 thread of this project's 2-core machine: (lowest, highest) over runs; the
-# target is twice as fast as its best.
-PAPER_CODE = {128: (0.14, 0.23), 512: (0.49, 0.74)}
-TARGET = {128: 0.07, 512: 0.25}
+BATCHES = (128, 512)
+# the step with the former defaults, and with today's (resolved on the machine it runs on)
+VARIANTS = {"fp32, torch's update": dict(stencil_precision="fp32", fused_update="false"),
+            "defaults": dict(stencil_precision="auto", fused_update="auto")}
+SMOKE = dict(fourier_features=8, hidden=8)  # --smoke: the architecture, batch 16
 
 
-def seconds_per_step(problem, method: str, batch_size: int, steps: int, warmup: int = 2):
-    config = preset("paper", problem, method=method, batch_size=batch_size)
-    device = pick_device()
-    model = build_model(config, problem).to(device)
-    params = list(model.parameters())
-    meth = make_method(method, model.n_modes, config)
-    opt = torch.optim.RMSprop(params, lr=config.lr)
-    gen = torch.Generator().manual_seed(0)
+def _trainer(problem, batch_size: int, method="neuralsvd-seq", smoke=False, **arithmetic):
+    """(Trainer, stencil precision) of the paper preset at this batch, its arithmetic
+    resolved as training resolves it."""
+    config = preset("paper", problem, method=method, batch_size=batch_size,
+                    **(SMOKE if smoke else {}), **arithmetic)
+    device = pick_device(config.device)
+    precision, _ = choose_stencil_precision(config.stencil_precision, device, batch_size,
+                                            config.laplacian)
+    fused, _ = choose_fused_update(config.fused_update, device)
+    return Trainer.build(config, problem, device, fused), precision
+
+
+def seconds_per_step(problem, method: str, batch_size: int, steps: int, warmup: int = 2,
+                     smoke: bool = False) -> tuple[float, float]:
+    """(wall, CPU seconds of this process) per training step with the defaults."""
+    trainer, precision = _trainer(problem, batch_size, method, smoke)
     for i in range(warmup + steps):
         if i == warmup:
-            if device.type == "cuda":
+            if trainer.device.type == "cuda":
                 torch.cuda.synchronize()
             start, cpu_start = time.perf_counter(), time.process_time()
-        x = problem.sample(batch_size, gen, device, torch.float32)
-        ft, Tft = negative_hamiltonian(model, problem, x, config.laplacian, config.fd_eps)
-        loss, _ = meth(ft, Tft, params)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    if device.type == "cuda":
+        trainer.step(batch_size, precision)
+    if trainer.device.type == "cuda":
         torch.cuda.synchronize()
-    # wall seconds, and CPU seconds of this process (less sensitive to a shared machine)
     return (time.perf_counter() - start) / steps, (time.process_time() - cpu_start) / steps
 
 
-def _full_graph_hamiltonian(model, problem, x, eps):
-    """The step's operator before T f became a constant: all 2D+1 stencil points in one
-    graph-tracked call, so the backward pass runs over 5B rows in 2D."""
-    B, D = x.shape
-    shifts = torch.zeros(2 * D + 1, D, dtype=x.dtype, device=x.device)
-    idx = torch.arange(D, device=x.device)
-    shifts[1 + idx, idx] = eps
-    shifts[1 + D + idx, idx] = -eps
-    pts = (x.unsqueeze(0) + shifts.unsqueeze(1)).reshape(-1, D)  # centre first
-    out = model(pts).reshape(2 * D + 1, B, -1)  # (2D+1, B, L)
-    logw = problem.log_weight(pts).reshape(2 * D + 1, B)
-    ratio = torch.exp(0.5 * (logw[1:] - logw[:1])).unsqueeze(-1)
-    lap = ((ratio * out[1:]).sum(0) - 2 * D * out[0]) / eps**2
-    return out[0], lap + (problem.shift - problem.potential(x)).unsqueeze(-1) * out[0]
-
-
-STEPS = ("full graph", "this step", "this step, bf16", "this step, bf16, fused update")
-FUSED = {"this step, bf16, fused update"}  # these run training.pde.update.FusedUpdate
-
-
 def paper_step(problem, batch_size: int, steps: int, warmup: int = 2,
-               only: tuple[str, ...] = STEPS) -> dict:
-    """Median wall and CPU seconds per NeuralSVD-seq step (fd; the update and the EMA of
-    the parameters included, as in training and the paper's code) of the full-graph step, of
-    the current one, of it with the bf16 stencil (``--stencil-precision bf16``) and of that
-    with the fused update (``--fused-update true``), on one model each, in rotating order
-    (``only``: those of ``STEPS``)."""
-    config = preset("paper", problem, method="neuralsvd-seq", batch_size=batch_size)
-    hamiltonians = {
-        "full graph": lambda m, x: _full_graph_hamiltonian(m, problem, x, config.fd_eps),
-        "this step": lambda m, x: negative_hamiltonian(m, problem, x, "fd", config.fd_eps),
-        "this step, bf16": lambda m, x: negative_hamiltonian(m, problem, x, "fd",
-                                                             config.fd_eps, "bf16"),
-    }
-    hamiltonians["this step, bf16, fused update"] = hamiltonians["this step, bf16"]
-    hamiltonians = {k: hamiltonians[k] for k in only}
+               smoke: bool = False) -> dict:
+    """Median wall and CPU seconds per NeuralSVD-seq step (fd; the update and the EMA of the
+    parameters included, as in training and the paper's code) of each of ``VARIANTS``, one
+    model each, in rotating order; and what the defaults resolved to."""
     runs = {}
-    for name, hamiltonian in hamiltonians.items():
-        model = build_model(config, problem)
-        params = list(model.parameters())
-        runs[name] = dict(
-            hamiltonian=hamiltonian, model=model, params=params,
-            method=make_method(config.method, model.n_modes, config),
-            opt=torch.optim.RMSprop(params, lr=config.lr),
-            ema=[p.detach().clone() for p in params],
-            gen=torch.Generator().manual_seed(0), wall=[], cpu=[],
-        )
-        if name in FUSED:  # compiled here, before the timed steps
-            runs[name]["fused"] = FusedUpdate(runs[name]["opt"], runs[name]["ema"],
-                                              config.ema_decay)
+    for name, arithmetic in VARIANTS.items():
+        trainer, precision = _trainer(problem, batch_size, smoke=smoke, **arithmetic)
+        runs[name] = dict(trainer=trainer, precision=precision, wall=[], cpu=[])
     names = list(runs)
     for i in range(warmup + steps):
         for name in names[i % len(names):] + names[:i % len(names)]:
             r = runs[name]
             wall, cpu = time.perf_counter(), time.process_time()
-            x = problem.sample(batch_size, r["gen"], "cpu", torch.float32)
-            ft, Tft = r["hamiltonian"](r["model"], x)
-            loss, _ = r["method"](ft, Tft, r["params"])
-            r["opt"].zero_grad(set_to_none=True)
-            loss.backward()
-            if "fused" in r:
-                r["fused"].step()
-            else:
-                r["opt"].step()
-                with torch.no_grad():  # the parameters' EMA, kept by training and the paper's code
-                    torch._foreach_lerp_(r["ema"], r["params"], 1 - config.ema_decay)
+            r["trainer"].step(batch_size, r["precision"])
             if i >= warmup:
                 r["wall"].append(time.perf_counter() - wall)
                 r["cpu"].append(time.process_time() - cpu)
-    return {name: {"wall": statistics.median(r["wall"]), "cpu": statistics.median(r["cpu"])}
+    return {name: {"wall": statistics.median(r["wall"]), "cpu": statistics.median(r["cpu"]),
+                   "precision": r["precision"], "update": r["trainer"].update_kind()}
             for name, r in runs.items()}
+
+
+# (problem, ndim) of --preset-steps
+PRESET_PROBLEMS = [("hydrogen", None), ("oscillator", None), ("hydrogen-3d", None),
+                   ("oscillator", 10)]
+
+
+def preset_steps(steps: int, warmup: int = 2, smoke: bool = False) -> dict:
+    """Median wall and CPU seconds per step of each problem's cpu preset with
+    ``--laplacian fd`` and ``forward`` (the default arithmetic otherwise), the two
+    interleaved."""
+    out = {}
+    for name, ndim in PRESET_PROBLEMS:
+        problem = make_problem(name, ndim)
+        runs = {}
+        for laplacian in ("fd", "forward"):
+            config = preset("cpu", problem, ndim=ndim or 0, laplacian=laplacian,
+                            **(dict(SMOKE, batch_size=16) if smoke else {}))
+            device = pick_device(config.device)
+            precision, _ = choose_stencil_precision(config.stencil_precision, device,
+                                                    config.batch_size, laplacian)
+            fused, _ = choose_fused_update(config.fused_update, device)
+            runs[laplacian] = dict(trainer=Trainer.build(config, problem, device, fused),
+                                   precision=precision, b=config.batch_size, wall=[], cpu=[])
+        for i in range(warmup + steps):
+            for r in runs.values():
+                wall, cpu = time.perf_counter(), time.process_time()
+                r["trainer"].step(r["b"], r["precision"])
+                if i >= warmup:
+                    r["wall"].append(time.perf_counter() - wall)
+                    r["cpu"].append(time.process_time() - cpu)
+        key = name if ndim is None else f"{name} --ndim {ndim}"
+        out[key] = {lap: {"wall": statistics.median(r["wall"]),
+                          "cpu": statistics.median(r["cpu"]), "precision": r["precision"],
+                          "batch": r["b"]} for lap, r in runs.items()}
+        fd, fw = out[key]["fd"], out[key]["forward"]
+        print(f"| {key} | {fd['batch']} | {1e3 * fd['cpu']:.1f} ({fd['precision']}) | "
+              f"{1e3 * fw['cpu']:.1f} | {fd['cpu'] / fw['cpu']:.2f}x | "
+              f"{1e3 * fd['wall']:.1f} / {1e3 * fw['wall']:.1f} |", flush=True)
+    return out
 
 
 # The published code's arguments for the paper's hydrogen run (its scripts/exps/pde/
@@ -177,34 +171,42 @@ PAPER_ARGS = [
 ]
 
 
+def seconds_from_paper_log(stdout: str) -> float:
+    """Seconds per step from the cumulative times the published code prints every 10
+    steps: (last - first) / steps between them (its first 10 steps, with start-up, are
+    left out)."""
+    marks = [(int(i), float(t)) for i, t in
+             re.findall(r"'iter': (\d+).*?'time': ([0-9.eE+-]+)", stdout)]
+    if len(marks) < 2:
+        raise RuntimeError(f"fewer than two timings in the paper code's output: "
+                           f"{stdout[-500:]!r}")
+    (i0, t0), (i1, t1) = marks[0], marks[-1]
+    return (t1 - t0) / (i1 - i0)
+
+
 def paper_code_step(code_dir: str, python: str, batch_size: int, iterations: int,
                     log_dir: str) -> float:
-    """Seconds per step of the published code on 1 thread: from the cumulative times it
-    prints every 10 steps, (last - first) / steps between them (the first 10 steps, with
-    start-up, are left out)."""
+    """Seconds per step of the published code on 1 thread (``seconds_from_paper_log``)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "PYTHONPATH": code_dir, "CUDA_VISIBLE_DEVICES": ""}
     cmd = [python, "examples/operator/pde/main_pde.py", *PAPER_ARGS, "--batch_size",
            str(batch_size), "--num_iters", str(iterations), "--log_dir", log_dir]
     out = subprocess.run(cmd, cwd=code_dir, env=env, capture_output=True, text=True)
-    marks = [(int(i), float(t)) for i, t in
-             re.findall(r"'iter': (\d+).*?'time': ([0-9.eE+-]+)", out.stdout)]
-    if out.returncode != 0 or len(marks) < 2:
+    if out.returncode != 0:
         raise RuntimeError(f"the paper's code did not run (exit {out.returncode}): "
                            f"{(out.stderr or out.stdout)[-2000:]}")
-    (i0, t0), (i1, t1) = marks[0], marks[-1]
-    return (t1 - t0) / (i1 - i0)
+    return seconds_from_paper_log(out.stdout)
 
 
-def _side_by_side_table(rows: list) -> None:
+def _side_by_side_table(rows: list, batches) -> None:
     print("\nSide by side, 1 thread (each round: the paper's code, then this project's "
           "steps; seconds per step; ratio: the paper's code / this step)\n\n"
-          "| batch | paper's code | this step (fp32) | ratio | bf16 stencil | ratio | "
-          "bf16 stencil, fused update | ratio |\n|---|---|---|---|---|---|---|---|")
-    for b in (128, 512):
+          "| batch | paper's code | " + " | ".join(f"{v} | ratio" for v in VARIANTS) + " |\n"
+          "|---|---|" + "---|---|" * len(VARIANTS))
+    for b in batches:
         ref = [r["paper_code"][b] for r in rows]
         cells = [f"{min(ref):.3f}-{max(ref):.3f}"]
-        for name in STEPS[1:]:
+        for name in VARIANTS:
             own = [r[name][b] for r in rows]
             ratios = [a / o for a, o in zip(ref, own, strict=True)]
             cells += [f"{min(own):.3f}-{max(own):.3f}", f"{min(ratios):.2f}-{max(ratios):.2f}x"]
@@ -213,23 +215,49 @@ def _side_by_side_table(rows: list) -> None:
 
 def _paper_step_table(rows: dict) -> None:
     print("\nNeuralSVD-seq step, fd Laplacian, paper architecture (hydrogen, L = 16, 3x128 "
-          "MLPs, K = 1024), 1 thread: median seconds per step, wall (CPU); ratio: the full "
-          "graph's wall time over this one's; the paper's code was timed separately on the "
-          "same machine\n\n| batch | full graph (before) | this step | ratio | "
-          "bf16 stencil | ratio | bf16 stencil, fused update | ratio | paper's code | "
-          "target |\n|---|---|---|---|---|---|---|---|---|---|")
+          "MLPs, K = 1024), 1 thread: median seconds per step, wall (CPU); ratio: the former "
+          "defaults' wall time over the defaults'\n\n| batch | "
+          + " | ".join(VARIANTS) + " | ratio | the defaults here |\n|---|---|---|---|---|")
     for b, r in rows.items():
-        old = r["full graph"]
-        lo, hi = PAPER_CODE[b]
-        cells = [f"{old['wall']:.3f} ({old['cpu']:.3f})"]
-        for name in STEPS[1:]:
-            new = r[name]
-            cells += [f"{new['wall']:.3f} ({new['cpu']:.3f})", f"{old['wall'] / new['wall']:.2f}x"]
-        print(f"| {b} | " + " | ".join(cells) + f" | {lo:.2f}-{hi:.2f} | <= {TARGET[b]:.2f} |")
+        old, new = (r[name] for name in VARIANTS)
+        print(f"| {b} | " + " | ".join(f"{r[n]['wall']:.3f} ({r[n]['cpu']:.3f})"
+                                       for n in VARIANTS)
+              + f" | {old['wall'] / new['wall']:.2f}x | {new['precision']}, {new['update']} |")
 
 
-def main(argv=None):
-    tune_allocator()
+def _paper_mode(args, out: Path, batches) -> None:
+    """--paper-step, with --paper-code side by side."""
+    torch.set_num_threads(1)  # as the paper's code is timed
+    problem = make_problem("hydrogen")
+    if not args.paper_code:
+        rows = {b: paper_step(problem, b, args.steps, smoke=args.smoke) for b in batches}
+        (out / "paper_step.json").write_text(json.dumps(
+            {"problem": "hydrogen", "threads": 1, "steps": args.steps,
+             "seconds_per_step": rows}, indent=1))
+        _paper_step_table(rows)
+        return
+    rounds = []
+    for r in range(args.rounds):
+        row = {"paper_code": {}, **{name: {} for name in VARIANTS}}
+        for b in batches:
+            row["paper_code"][b] = paper_code_step(
+                args.paper_code, args.paper_python, b, 30 if b == 128 else 20,
+                str(out / "paper-code-log"))
+            times = paper_step(problem, b, args.steps, smoke=args.smoke)
+            for name in VARIANTS:
+                row[name][b] = times[name]["wall"]
+            row.setdefault("defaults_are", {})[b] = (times["defaults"]["precision"],
+                                                     times["defaults"]["update"])
+            print(f"round {r + 1}, batch {b}: paper's code {row['paper_code'][b]:.3f} "
+                  f"s/step, " + ", ".join(f"{name} {row[name][b]:.3f}" for name in VARIANTS),
+                  flush=True)
+        rounds.append(row)
+    (out / "paper_side_by_side.json").write_text(json.dumps(
+        {"problem": "hydrogen", "threads": 1, "rounds": rounds}, indent=1))
+    _side_by_side_table(rounds, batches)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--out", default="runs/pde-bench")
     parser.add_argument("--problem", default="hydrogen", choices=["hydrogen", "oscillator"])
@@ -249,99 +277,95 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3,
                         help="side-by-side rounds with --paper-code")
     parser.add_argument("--paper-step", action="store_true",
-                        help="only time the NeuralSVD-seq step against the full-graph one, "
-                             "interleaved, hydrogen at batch 128 and 512 on 1 thread (ignores "
-                             "--problem and --threads)")
+                        help="only time the NeuralSVD-seq step with the defaults against the "
+                             "former ones, interleaved, hydrogen at batch 128 and 512 on 1 "
+                             "thread (ignores --problem and --threads)")
+    parser.add_argument("--preset-steps", action="store_true",
+                        help="only time one step of each problem's cpu preset, fd against "
+                             "the forward-mode Laplacian, 1 thread")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny architecture, batch 16, 1 step, 3 iterations, a coarse "
+                             "grid: that every part runs, in seconds")
+    return parser
+
+
+def main(argv=None):
+    tune_allocator()
+    parser = _parser()
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.paper_code and not (args.paper_step and args.paper_python):
         parser.error("--paper-code needs --paper-step and --paper-python")
-    if args.paper_code:
-        torch.set_num_threads(1)
-        rounds, own = [], STEPS[1:]
-        for r in range(args.rounds):
-            row = {"paper_code": {}, **{name: {} for name in own}}
-            for b in (128, 512):
-                row["paper_code"][b] = paper_code_step(
-                    args.paper_code, args.paper_python, b, 30 if b == 128 else 20,
-                    str(out / "paper-code-log"))
-                times = paper_step(make_problem("hydrogen"), b, args.steps, only=own)
-                for name in own:
-                    row[name][b] = times[name]["wall"]
-                print(f"round {r + 1}, batch {b}: paper's code {row['paper_code'][b]:.3f} "
-                      f"s/step, " + ", ".join(f"{name} {row[name][b]:.3f}" for name in own),
-                      flush=True)
-            rounds.append(row)
-        (out / "paper_side_by_side.json").write_text(json.dumps(
-            {"problem": "hydrogen", "threads": 1, "rounds": rounds}, indent=1))
-        _side_by_side_table(rounds)
-        return
+    batches = (16,) if args.smoke else BATCHES
+    if args.smoke:
+        args.steps, args.iterations = 1, 3
     if args.paper_step:
-        torch.set_num_threads(1)  # as the paper's code was timed
-        rows = {}
-        for b in (128, 512):
-            rows[b] = paper_step(make_problem("hydrogen"), b, args.steps)
-            print(f"batch {b}: " + ", ".join(
-                f"{k} {v['wall']:.3f} s/step wall, {v['cpu']:.3f} cpu" for k, v in rows[b].items()
-            ), flush=True)
-        (out / "paper_step.json").write_text(json.dumps(
-            {"problem": "hydrogen", "threads": 1, "steps": args.steps,
-             "paper_code": PAPER_CODE, "target": TARGET, "seconds_per_step": rows}, indent=1))
-        _paper_step_table(rows)
+        _paper_mode(args, out, batches)
+        return
+    if args.preset_steps:
+        torch.set_num_threads(1)
+        print("| problem | batch | fd: CPU ms per step | forward: CPU ms | ratio | wall ms, "
+              "fd / forward |\n|---|---|---|---|---|---|")
+        rows = preset_steps(args.steps, smoke=args.smoke)
+        (out / "preset_steps.json").write_text(json.dumps(rows, indent=1))
         return
     torch.set_num_threads(args.threads)
     problem = make_problem(args.problem)
     result: dict = {"problem": args.problem, "threads": args.threads,
                     "device": str(pick_device())}
-
     if not args.skip_steps:
         rows = {}
         for method in args.methods:
-            for b in (128, 512):
-                wall, cpu = seconds_per_step(problem, method, b, args.steps)
+            for b in batches:
+                wall, cpu = seconds_per_step(problem, method, b, args.steps, smoke=args.smoke)
                 rows[f"{method} @ {b}"] = {"wall": wall, "cpu": cpu}
                 print(f"{method:14s} batch {b:4d}: {wall:.3f} s/step wall, {cpu:.3f} cpu",
                       flush=True)
         result["seconds_per_step_paper_arch"] = rows
-
     if not args.skip_train:
-        overrides = {} if args.iterations is None else {"iterations": args.iterations}
-        runs = {}
-        for method in args.methods:
-            config = preset("cpu", problem, method=method, threads=args.threads,
-                            out=str(out / method), **overrides)
-            m = run(config, progress=False)
-            runs[method] = {k: m[k] for k in (
-                "iterations", "seconds", "rel_error_mean", "angle_distance_mean",
-                "subspace_distance_mean", "orthogonality", "rel_errors", "eigenvalues",
-                "eigenvalues_norm")}
-            print(f"{method}: {json.dumps({k: runs[method][k] for k in list(runs[method])[:6]})}",
-                  flush=True)
-        result["cpu_preset"] = {"config": dataclasses.asdict(config), "runs": runs}
-        plots.errors_per_mode({k: v["rel_errors"] for k, v in runs.items()},
-                              out / "errors_by_method.png",
-                              f"{args.problem}, cpu preset: eigenvalue errors per mode")
-
+        result["cpu_preset"] = _train_methods(args, problem, out)
     if not args.skip_grid:
-        g = solve_grid(problem)
+        g = solve_grid(problem, n=40 if args.smoke else None)
         keys = ("seconds", "grid_points", "spacing", "rel_error_mean", "angle_distance_mean",
                 "subspace_distance_mean", "orthogonality", "rel_errors")
         result["grid"] = {k: g[k] for k in keys}
         print(f"grid: {json.dumps({k: g[k] for k in keys[:7]})}", flush=True)
-
     (out / "bench.json").write_text(json.dumps(result, indent=1))
-    _print_tables(result)
+    _print_tables(result, batches)
 
 
-def _print_tables(result):
+def _train_methods(args, problem, out: Path) -> dict:
+    """The cpu preset run by each method (the same iterations and seed)."""
+    overrides = {} if args.iterations is None else {"iterations": args.iterations}
+    if args.smoke:
+        overrides.update(SMOKE, batch_size=16, ritz_samples=256, eval_points=2048)
+    runs = {}
+    for method in args.methods:
+        config = preset("cpu", problem, method=method, threads=args.threads,
+                        out=str(out / method), **overrides)
+        m = run(config, progress=False)
+        runs[method] = {k: m[k] for k in (
+            "iterations", "seconds", "rel_error_mean", "angle_distance_mean",
+            "subspace_distance_mean", "orthogonality", "rel_errors", "eigenvalues",
+            "eigenvalues_norm")}
+        print(f"{method}: {json.dumps({k: runs[method][k] for k in list(runs[method])[:6]})}",
+              flush=True)
+    plots.errors_per_mode({k: v["rel_errors"] for k, v in runs.items()},
+                          out / "errors_by_method.png",
+                          f"{args.problem}, cpu preset: eigenvalue errors per mode")
+    return {"config": dataclasses.asdict(config), "runs": runs}
+
+
+def _print_tables(result, batches):
     if "seconds_per_step_paper_arch" in result:
-        print("\n| method | batch 128: wall / CPU s per step | batch 512: wall / CPU s per step |"
-              "\n|---|---|---|")
+        print("\n| method | " + " | ".join(f"batch {b}: wall / CPU s per step" for b in batches)
+              + " |\n|---|" + "---|" * len(batches))
         rows = result["seconds_per_step_paper_arch"]
-        for m in [k.split(" @ ")[0] for k in rows if k.endswith("@ 128")]:
-            a, b = rows[f"{m} @ 128"], rows[f"{m} @ 512"]
-            print(f"| {m} | {a['wall']:.3f} / {a['cpu']:.3f} | {b['wall']:.3f} / {b['cpu']:.3f} |")
+        for m in dict.fromkeys(k.split(" @ ")[0] for k in rows):
+            print(f"| {m} | " + " | ".join(
+                f"{rows[f'{m} @ {b}']['wall']:.3f} / {rows[f'{m} @ {b}']['cpu']:.3f}"
+                for b in batches) + " |")
     table = dict(result.get("cpu_preset", {}).get("runs", {}))
     if "grid" in result:
         table["grid+eigsh"] = {**result["grid"], "iterations": "-"}

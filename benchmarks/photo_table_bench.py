@@ -1,5 +1,6 @@
-"""The photo table at 10^6 and 10^7 photos: meta.jsonl read into Python objects (the former
-loader) against the columnar table mapped read only (`index.table`), side by side.
+"""The photo table at 10^6 and 10^7 photos: JSON lines read into Python objects (the
+former loader of `meta.jsonl`) against the columnar table mapped read only (`index.table`),
+side by side.
 
     python -m benchmarks.photo_table_bench --sizes 1000000 10000000 --out runs/photo-table-bench
 
@@ -10,10 +11,8 @@ loader) against the columnar table mapped read only (`index.table`), side by sid
    (a WordNet-style id per class and a running number); paths `photo/<class>/<id>.jpg`.
 2. Each loader in a fresh process (so its memory is its own), its files first evicted from
    the page cache (fsync, then posix_fadvise DONTNEED), so that loading reads the disk:
-   - `meta, former loader`: the code this table replaced, verbatim: every line json-parsed
-     into a Photo, its path checked with PurePosixPath, then GalleryIndex's id -> row dict;
-   - `meta -> table`: today's code on an index folder of earlier code: `iter_meta` into
-     `PhotoTable.from_photos`, a chunk of rows at a time;
+   - `meta`: the code this table replaced: every line json-parsed into a Photo, its path
+     checked with PurePosixPath, then an id -> row dict;
    - `table`: `PhotoTable.open`, memory-mapped.
    Reported: load seconds; RSS after the load less RSS before (VmRSS, and its anonymous and
    file-backed parts); peak RSS (VmHWM) less RSS before.
@@ -24,6 +23,7 @@ loader) against the columnar table mapped read only (`index.table`), side by sid
    pages: those the queries touched and the kernel's read-around of them).
 
 Results go to `OUT/results.jsonl` (a run skips what is there) and the table to `OUT/table.md`.
+`--smoke` runs it all on 2,000 rows into `--out`.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-LOADERS = ("meta", "meta-to-table", "table")
+LOADERS = ("meta", "table")
 LABELS = {"meta": "meta.jsonl, former loader (objects + id dict)",
-          "meta-to-table": "meta.jsonl -> table in memory (old folders today)",
           "table": "table, memory-mapped"}
+META_FILE = "meta.jsonl"  # one JSON object a row, as the former index writer wrote them
 
 
 def synthetic(n: int, per_class: int):
@@ -63,7 +63,6 @@ def _row(i: int, per_class: int) -> tuple[str, str, str]:
 def write_both(folder: Path, n: int, per_class: int) -> dict:
     """meta.jsonl and the table of n synthetic rows in `folder` (once); their write times
     and sizes."""
-    from index.store import META_FILE
     from index.table import TABLE_FILES, write_table
 
     done = folder / "written.json"
@@ -130,7 +129,6 @@ def former_load(path: Path):
 def measure(folder: Path, loader: str, k: int, queries: int, per_class: int) -> dict:
     """Load the rows of `folder` with `loader`, then time the per-query lookups (run in its
     own process)."""
-    from index.store import META_FILE, iter_meta
     from index.table import TABLE_FILES, PhotoTable
 
     files = [folder / META_FILE] if loader != "table" else [folder / n for n in TABLE_FILES]
@@ -141,10 +139,7 @@ def measure(folder: Path, loader: str, k: int, queries: int, per_class: int) -> 
         photos, by_id = former_load(folder / META_FILE)
         row_of = by_id.get
     else:
-        if loader == "meta-to-table":
-            photos = PhotoTable.from_photos(iter_meta(folder / META_FILE), "meta.jsonl")
-        else:
-            photos = PhotoTable.open(folder)
+        photos = PhotoTable.open(folder)
         row_of = photos.row_of
     load_s = time.perf_counter() - t0
     loaded = memory()
@@ -208,8 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=10, help="rows read per query")
     parser.add_argument("--queries", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "photo-table-bench")
+    parser.add_argument("--smoke", action="store_true", help="2,000 rows, 50 queries")
     parser.add_argument("--one", nargs=2, metavar=("FOLDER", "LOADER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.queries = [2000], 50
     if args.one:
         print(json.dumps(measure(Path(args.one[0]), args.one[1], args.k, args.queries,
                                  args.photos_per_class)))

@@ -1,22 +1,25 @@
 """Bounded load test of the retrieval service on 127.0.0.1, and the split of a request's time,
-for each sketch encoder (PyTorch and ONNX Runtime) in the same run.
+for each sketch encoder and precision in the same run.
 
+    python benchmarks/service_bench.py --index runs/index --encoders onnx --precisions fp32 int8
     python benchmarks/service_bench.py                       # builds runs/bench/index once
-    python benchmarks/service_bench.py --index runs/index    # an existing index
-    python benchmarks/service_bench.py --encoders onnx       # one encoder only
     python benchmarks/service_bench.py --encoders onnx --flip-average false true  # mirror cost
     python benchmarks/service_bench.py --encoders onnx --layouts 1x2 2x1  # threads x slots
+    python benchmarks/service_bench.py --smoke               # tiny data, seconds: a check
 
-For each encoder, starts `python -m service` as a separate process on a free local port,
-sends a fixed number of `POST /retrieve` requests at each concurrency (1, 4, 16), and prints
-p50/p99 latency, throughput and the error count (which must be zero). The split of one
-request into decode, preprocess, encode (backbone + head) and search comes from the server's
-`Server-Timing` header; the rest of the client-side latency is HTTP, multipart parsing and
-JSON. The load client runs on the same machine and takes its share of the CPU.
+For each configuration, starts `python -m service` as a separate process on a free local
+port, sends a fixed number of `POST /retrieve` requests (service.client) at each concurrency
+(1, 4, 16), and prints p50/p99 latency, throughput and the error count (which must be zero),
+then whether the targets hold (c=16: >= 250 req/s with p99 <= 150 ms; c=1: p50 <= 8 ms).
+The split of one request into decode, preprocess, encode (backbone + head) and search comes
+from the server's `Server-Timing` header; the rest of the client-side latency is HTTP,
+multipart parsing and JSON. The load client runs on the same machine and takes its share of
+the CPU. int8 needs a checkpoint whose training data is at hand (calibration, parity): the
+first start quantizes (minutes), later starts read the graph cached in the index folder.
 
 Without --index it builds one from an untrained checkpoint shaped like the `cpu` preset
-(EfficientNet-Lite1 at 240 px, head 1024 -> L=256; timing does not depend on training) over
-the sketchy-mini photos.
+(EfficientNet-Lite1 at 240 px, head 1024 -> 256 modes + 256 raw coordinates; timing does not
+depend on training) over the sketchy-mini photos.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,9 +40,14 @@ import httpx
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from service.client import AsyncClient, ServiceError  # noqa: E402
+
 DATA = REPO.parent / "shared" / "data" / "sketchy-mini"
 STAGES = ("decode", "preprocess", "encode", "search")
 ENCODERS = ("torch", "onnx")
+TARGETS = {"c16_rps": 250.0, "c16_p99_ms": 150.0, "c1_p50_ms": 8.0}
 
 
 def free_port() -> int:
@@ -47,12 +56,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare_index(out: Path, data: Path, classes: int | None, flip_average: bool = True
-                  ) -> Path:
-    """An index over sketchy-mini photos from a cpu-preset-shaped untrained checkpoint."""
+def copy_classes(data: Path, out: Path, classes: int) -> Path:
+    """The photos of the first `classes` classes, copied (the index refuses outside links)."""
+    for cls in sorted(p.name for p in (data / "photo").iterdir())[:classes]:
+        (out / cls).mkdir(parents=True, exist_ok=True)
+        for f in (data / "photo" / cls).iterdir():
+            if not (out / cls / f.name).exists():
+                shutil.copyfile(f, out / cls / f.name)
+    return out
+
+
+def prepare_index(out: Path, data: Path, classes: int | None, flip_average: bool = True,
+                  smoke: bool = False) -> Path:
+    """An index over sketchy-mini photos from a cpu-preset-shaped untrained checkpoint
+    (smoke: a tiny checkpoint over generated photos)."""
     if (out / "index" / "CURRENT").is_file():
         return out / "index"
-    sys.path.insert(0, str(REPO))
     import torch
 
     from index.build import build_index
@@ -60,33 +79,31 @@ def prepare_index(out: Path, data: Path, classes: int | None, flip_average: bool
     from training.cdk.model.embedder import Embedder
 
     torch.set_num_threads(2)
-    photos = data / "photo"
-    if classes is not None:  # a smaller gallery: copies (the index refuses outside links)
-        photos = out / "photos"
-        for cls in sorted(p.name for p in (data / "photo").iterdir())[:classes]:
-            (photos / cls).mkdir(parents=True, exist_ok=True)
-            for f in (data / "photo" / cls).iterdir():
-                copy = photos / cls / f.name
-                if not copy.exists():
-                    shutil.copyfile(f, copy)
-    ckpt = init_checkpoint(out / "checkpoint.pt", backbone="efficientnet-lite1", L=256,
-                           hidden=1024, image_size=240, flip_average=flip_average)
-    build_index(Embedder.from_checkpoint(ckpt, device="cpu"), photos, out / "index", ckpt)
+    if smoke:
+        from tests.fakes import make_gallery
+
+        photos = make_gallery(out / "photos", classes=3, per_class=4, size=64)
+        ckpt = init_checkpoint(out / "checkpoint.pt", modes=8, hidden=16, image_size=64,
+                               raw_dims=0)
+    else:
+        photos = (data / "photo" if classes is None
+                  else copy_classes(data, out / "photos", classes))
+        ckpt = init_checkpoint(out / "checkpoint.pt", backbone="efficientnet-lite1", modes=256,
+                               hidden=1024, image_size=240, photo_flip_average=flip_average)
+    build_index(Embedder.from_checkpoint(ckpt, device="cpu"), photos, out / "index", ckpt,
+                progress=not smoke)
     return out / "index"
 
 
 def sketches(data: Path, n: int = 32) -> list[bytes]:
+    """Real sketches when the data is there, else generated strokes."""
     files = sorted((data / "sketch").glob("*/*.png"))
+    if not files:
+        from tests.service.conftest import sketch_png
+
+        return [sketch_png(seed=s) for s in range(n)]
     step = max(1, len(files) // n)
     return [f.read_bytes() for f in files[::step][:n]]
-
-
-def parse_timing(header: str) -> dict[str, float]:
-    out = {}
-    for part in header.split(","):
-        name, _, dur = part.strip().partition(";dur=")
-        out[name] = float(dur)
-    return out
 
 
 async def load(base: str, bodies: list[bytes], concurrency: int, requests: int, dims: int,
@@ -99,34 +116,27 @@ async def load(base: str, bodies: list[bytes], concurrency: int, requests: int, 
     timings: list[dict[str, float]] = []
     errors: list[str] = []
     counter = iter(range(requests))
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
-    async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as client:
+    async with AsyncClient(base, timeout=120, connections=concurrency) as service:
 
         async def worker() -> None:
             for i in counter:
-                params = {"dims": dims, "k": k}
                 t0 = time.perf_counter()
                 try:
                     if batch:
-                        files = [("files", (f"q{j}.png", bodies[(i * batch + j) % len(bodies)],
-                                            "image/png")) for j in range(batch)]
-                        r = await client.post("/retrieve/batch", params=params, files=files)
-                        ok = r.status_code == 200 and [len(q["results"]) for q in
-                                                       r.json()["queries"]] == [k] * batch
+                        sent = [bodies[(i * batch + j) % len(bodies)] for j in range(batch)]
+                        results = await service.retrieve_batch(sent, dims=dims, k=k)
                     else:
-                        body = bodies[i % len(bodies)]
-                        r = await client.post("/retrieve", params=params,
-                                              files={"file": ("q.png", body, "image/png")})
-                        ok = r.status_code == 200 and len(r.json()["results"]) == k
-                except httpx.HTTPError as err:
-                    errors.append(repr(err))
+                        results = [await service.retrieve(bodies[i % len(bodies)], dims=dims,
+                                                          k=k)]
+                except (ServiceError, httpx.HTTPError) as err:
+                    errors.append(repr(err)[:200])
                     continue
                 latencies.append(1000 * (time.perf_counter() - t0))
-                if ok:
-                    timings.append(parse_timing(r.headers["server-timing"]))
+                if [len(r.hits) for r in results] == [k] * len(results):
+                    timings.append(results[0].timings)
                 else:
-                    errors.append(f"{r.status_code} {r.text[:200]}")
+                    errors.append(f"short results: {[len(r.hits) for r in results]}")
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -134,7 +144,8 @@ async def load(base: str, bodies: list[bytes], concurrency: int, requests: int, 
     return {"latencies": latencies, "timings": timings, "errors": errors, "wall": wall}
 
 
-def wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+def wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 1800) -> None:
+    """Until /health answers 200 (the first int8 start quantizes: minutes on a busy CPU)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -148,29 +159,42 @@ def wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 180) -> Non
     raise RuntimeError(f"service not healthy after {timeout:.0f}s")
 
 
-def run_server(index: Path, encoder: str, args, bodies: list[bytes]) -> dict:
-    """Start the service with `encoder`, load it at each concurrency; the rows it prints."""
+def start_server(index: Path, config: dict, args) -> tuple[str, subprocess.Popen]:
     port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
-           "SKETCHSVD_THREADS": str(args.threads), "SKETCHSVD_INFERENCE_SLOTS": str(args.slots),
-           "SKETCHSVD_MAX_K": str(max(100, args.k)), "SKETCHSVD_ENCODER": encoder}
+    env = {**os.environ, "OMP_NUM_THREADS": str(config["threads"]),
+           "SKETCHSVD_THREADS": str(config["threads"]),
+           "SKETCHSVD_INFERENCE_SLOTS": str(config["slots"]),
+           "SKETCHSVD_MAX_K": str(max(100, args.k)), "SKETCHSVD_ENCODER": config["encoder"],
+           "SKETCHSVD_PRECISION": config["precision"]}
     server = subprocess.Popen(
         [sys.executable, "-m", "service", "--index", str(index), "--port", str(port),
          "--log-level", "warning"], cwd=REPO, env=env)
-    rows: dict = {"errors": 0, "load": {}}
+    base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, server)
+    except BaseException:
+        server.terminate()
+        server.wait(timeout=30)
+        raise
+    return base, server
+
+
+def run_server(index: Path, config: dict, args, bodies: list[bytes]) -> dict:
+    """Start the service with `config`, load it at each concurrency; the rows it prints."""
+    base, server = start_server(index, config, args)
+    rows: dict = {"errors": 0, "load": {}}
+    try:
         info = httpx.get(base + "/info").json()
         dims = args.dims or info["available_dims"]["max"]
-        print(f"\n[{info['encoder']}] index {index}: {info['gallery_size']} photos, "
-              f"{info['backbone']}, L={info['L']}, dims={dims}, k={args.k}, "
-              f"{os.cpu_count()} CPUs, server threads={args.threads} slots={args.slots}")
+        print(f"\n[{info['encoder']} {info['precision']}] index {index}: "
+              f"{info['gallery_size']} photos, {info['backbone']}, width={info['width']}, "
+              f"dims={dims}, k={args.k}, {os.cpu_count()} CPUs, server threads="
+              f"{config['threads']} slots={config['slots']}")
         asyncio.run(load(base, bodies, 2, 8, dims, args.k))  # warm-up
         print(f"{'conc':>4} {'reqs':>5} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>7} {'errors':>6}")
         for c in args.concurrency:
             res = asyncio.run(load(base, bodies, c, args.requests, dims, args.k))
-            lat = np.array(res["latencies"])
+            lat = np.array(res["latencies"] or [np.nan])
             row = (np.percentile(lat, 50), np.percentile(lat, 99), args.requests / res["wall"])
             rows["load"][c] = row
             rows["errors"] += len(res["errors"])
@@ -178,36 +202,68 @@ def run_server(index: Path, encoder: str, args, bodies: list[bytes]) -> dict:
                   f"{len(res['errors']):>6}")
             for e in res["errors"][:3]:
                 print(f"     error: {e}")
-        # One request at a time: where its time goes.
-        single = asyncio.run(load(base, bodies, 1, 32, dims, args.k))
-        split = {s: statistics.median(t[s] for t in single["timings"]) for s in STAGES}
-        total = statistics.median(single["latencies"])
-        print("split of one request (median of 32, ms): " + ", ".join(
-            f"{s} {split[s]:.2f}" for s in STAGES)
-            + f", http+multipart+json {total - sum(split.values()):.2f}, total {total:.2f}")
+        rows["split"] = split_of_one(base, bodies, dims, args)
         if args.batch:
-            n = max(1, args.requests // args.batch)
-            res = asyncio.run(load(base, bodies, 1, n, dims, args.k, batch=args.batch))
-            rows["errors"] += len(res["errors"])
-            print(f"batch form, {args.batch} sketches per request, concurrency 1: "
-                  f"{n * args.batch / res['wall']:.1f} sketches/s, p50 "
-                  f"{np.percentile(res['latencies'], 50):.1f} ms per request, "
-                  f"{len(res['errors'])} errors")
+            rows["errors"] += batch_form(base, bodies, dims, args)
     finally:
         server.terminate()
-        server.wait(timeout=30)
+        server.wait(timeout=60)
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def split_of_one(base: str, bodies: list[bytes], dims: int, args) -> dict:
+    """One request at a time: where its time goes (medians, ms)."""
+    single = asyncio.run(load(base, bodies, 1, args.split_requests, dims, args.k))
+    split = {s: statistics.median(t[s] for t in single["timings"]) for s in STAGES}
+    total = statistics.median(single["latencies"])
+    print(f"split of one request (median of {args.split_requests}, ms): " + ", ".join(
+        f"{s} {split[s]:.2f}" for s in STAGES)
+        + f", http+multipart+json {total - sum(split.values()):.2f}, total {total:.2f}")
+    return split
+
+
+def batch_form(base: str, bodies: list[bytes], dims: int, args) -> int:
+    n = max(1, args.requests // args.batch)
+    res = asyncio.run(load(base, bodies, 1, n, dims, args.k, batch=args.batch))
+    print(f"batch form, {args.batch} sketches per request, concurrency 1: "
+          f"{n * args.batch / res['wall']:.1f} sketches/s, p50 "
+          f"{np.percentile(res['latencies'] or [np.nan], 50):.1f} ms per request, "
+          f"{len(res['errors'])} errors")
+    return len(res["errors"])
+
+
+def report(results: dict, concurrency: list[int]) -> None:
+    """Ratios against the first configuration, and the targets."""
+    (a, ra), *others = results.items()
+    for b, rb in others:
+        print(f"\n{b} vs {a}, same run:")
+        for c in concurrency:
+            (pa50, pa99, qa), (pb50, pb99, qb) = ra["load"][c], rb["load"][c]
+            print(f"  concurrency {c:>2}: req/s x{qb / qa:.2f}, p50 {pa50:.1f} -> {pb50:.1f} ms, "
+                  f"p99 {pa99:.1f} -> {pb99:.1f} ms")
+    if 1 in concurrency and 16 in concurrency:
+        print(f"\ntargets: c=16 >= {TARGETS['c16_rps']:.0f} req/s with p99 <= "
+              f"{TARGETS['c16_p99_ms']:.0f} ms, c=1 p50 <= {TARGETS['c1_p50_ms']:.0f} ms")
+        for name, r in results.items():
+            (p50, _, _), (_, p99, rps) = r["load"][1], r["load"][16]
+            met = (rps >= TARGETS["c16_rps"] and p99 <= TARGETS["c16_p99_ms"]
+                   and p50 <= TARGETS["c1_p50_ms"] and not r["errors"])
+            print(f"  {name}: {rps:.1f} req/s, p99 {p99:.1f} ms, c=1 p50 {p50:.1f} ms, "
+                  f"{r['errors']} errors: {'met' if met else 'not met'}")
+
+
+def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--index", type=Path, default=None)
     p.add_argument("--data", type=Path, default=DATA)
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench")
     p.add_argument("--classes", type=int, default=None, help="gallery classes (default all)")
     p.add_argument("--encoders", nargs="+", choices=ENCODERS, default=list(ENCODERS))
+    p.add_argument("--precisions", nargs="+", choices=("fp32", "int8", "auto"),
+                   default=["fp32"], help="the ONNX encoder's precisions compared")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
+    p.add_argument("--split-requests", type=int, default=32)
     p.add_argument("--dims", type=int, default=None, help="default: all stored dims")
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--threads", type=int, default=1, help="server threads per forward")
@@ -215,10 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="sketches per /retrieve/batch request")
     p.add_argument("--flip-average", nargs="+", choices=("true", "false"), default=["true"],
                    help="built index only: the checkpoint averages features over the mirror "
-                        "image (the cpu preset) or not; both: compared in one run")
+                        "image or not; both: compared in one run")
     p.add_argument("--layouts", nargs="+", default=None, metavar="THREADSxSLOTS",
                    help="server layouts compared in one run, e.g. 1x2 2x1 (threads per "
                         "forward x concurrent forwards); default: --threads x --slots")
+    p.add_argument("--smoke", action="store_true", help="a tiny index and a few requests in "
+                   "a temporary folder: checks that the benchmark runs")
     args = p.parse_args(argv)
     layouts = [(args.threads, args.slots)]
     if args.layouts:
@@ -228,30 +286,43 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--layouts takes THREADSxSLOTS values such as 2x1, got {args.layouts}")
         if any(len(lay) != 2 or min(lay) < 1 for lay in layouts):
             p.error(f"--layouts takes THREADSxSLOTS values such as 2x1, got {args.layouts}")
+    if args.smoke:
+        args.encoders, args.precisions, args.concurrency = ["onnx"], ["fp32"], [1, 2]
+        args.requests, args.split_requests, args.batch, args.k = 6, 4, 2, 3
+    return args, layouts
 
-    bodies = sketches(args.data)
-    results = {}
-    for mirror in args.flip_average:
-        flip = mirror == "true"
-        # the built checkpoint's features: each image's, or averaged with its mirror image's
-        # (training's --flip-average; two backbone passes a sketch)
-        index = args.index or prepare_index(args.work / f"mirror-{mirror}", args.data,
-                                            args.classes, flip)
-        for enc in args.encoders:
+
+def configurations(args, layouts) -> list[dict]:
+    out = []
+    for enc in args.encoders:
+        for precision in (args.precisions if enc == "onnx" else ["fp32"]):
             for threads, slots in layouts:
-                args.threads, args.slots = threads, slots
-                name = (f"{enc}" + ("" if args.index else f", mirror {mirror}")
-                        + (f", {threads}x{slots}" if len(layouts) > 1 else ""))
-                results[name] = run_server(index, enc, args, bodies)
-        if args.index:
-            break
-    (a, ra), *others = results.items()
-    for b, rb in others:
-        print(f"\n{b} vs {a}, same run:")
-        for c in args.concurrency:
-            (pa50, pa99, qa), (pb50, pb99, qb) = ra["load"][c], rb["load"][c]
-            print(f"  concurrency {c:>2}: req/s x{qb / qa:.2f}, p50 {pa50:.1f} -> {pb50:.1f} ms, "
-                  f"p99 {pa99:.1f} -> {pb99:.1f} ms")
+                out.append({"encoder": enc, "precision": precision, "threads": threads,
+                            "slots": slots})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, layouts = parse_args(argv)
+    bodies = sketches(args.data if not args.smoke else Path("/nonexistent"))
+    work = Path(tempfile.mkdtemp(prefix="service-bench-")) if args.smoke else args.work
+    results = {}
+    try:
+        for mirror in args.flip_average:
+            index = args.index or prepare_index(work / f"mirror-{mirror}", args.data,
+                                                args.classes, mirror == "true", args.smoke)
+            for config in configurations(args, layouts):
+                name = (f"{config['encoder']} {config['precision']}"
+                        + ("" if args.index else f", mirror {mirror}")
+                        + (f", {config['threads']}x{config['slots']}" if len(layouts) > 1
+                           else ""))
+                results[name] = run_server(index, config, args, bodies)
+            if args.index:
+                break
+        report(results, args.concurrency)
+    finally:
+        if args.smoke:
+            shutil.rmtree(work, ignore_errors=True)
     return 1 if any(r["errors"] for r in results.values()) else 0
 
 

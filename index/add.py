@@ -7,8 +7,10 @@ file is an error. The checkpoint defaults to the one recorded in the sidecar and
 the same hash. New photos must live below the index's photo root (the sidecar's
 `photos_root`): table paths are relative to it, and the service serves nothing outside it.
 The new version replaces the current one atomically, under the index's writer lock.
-New photos whose frozen-backbone features training cached are reused as by `index.build`
-(`--feature-cache`, `--workers`).
+New photos are embedded as by `index.build` (`--feature-cache`, `--workers`, `--encoder`) and,
+when the index was built with gallery smoothing, smoothed against the stored photos by the
+same rule (the stored ones keep their vectors until a rebuild). The index's kind adds them
+(the code kinds encode them with their trained quantizers).
 """
 
 from __future__ import annotations
@@ -18,8 +20,15 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from index.gallery import cached_features, embed_photos, feature_cache_dir, scan_gallery
-from index.smoothing import smooth_added
+from index.embed import (
+    ENCODERS,
+    cached_features,
+    embed_photos,
+    feature_cache_dir,
+    photo_encoder,
+)
+from index.gallery import scan_gallery
+from index.neighbours import smooth_added
 from index.store import IndexWriter, Sidecar, load_index, now_utc, read_sidecar
 from index.threads import set_threads
 from training import cli
@@ -48,9 +57,11 @@ def append_photos(
     progress: bool = True,
     feature_cache: str | Path | None = None,
     workers: int = 0,
+    encoder: str = "auto",
+    threads: int = 2,
 ) -> AppendReport:
-    """Embed the photos of `photos` not yet in the index and add them to it (`feature_cache`
-    and `workers` as in `index.build.build_index`).
+    """Embed the photos of `photos` not yet in the index and add them to it (`feature_cache`,
+    `workers`, `encoder` and `threads` as in `index.build.build_index`).
 
     Holds the index's writer lock from reading the current version to writing the new one,
     so two appends never both start from the same version (one would drop the other's
@@ -84,12 +95,14 @@ def append_photos(
             skipped += 1
         cached = cached_features(embedder, old_root, new, feature_cache if new else None)
         if new:
-            vectors = embed_photos(embedder, old_root, new, current.dims, batch_size, progress,
-                                   cached, workers)
+            kind, index = current.kind, current.index
+            vectors = embed_photos(embedder, old_root, new,
+                                   photo_encoder(embedder, index_dir, threads, encoder),
+                                   batch_size, progress, cached, workers)[:, : current.dims]
             if current.sidecar.smoothing:  # as the build smoothed the stored photos
-                vectors = smooth_added(current.index, vectors,
+                vectors = smooth_added(kind.reconstruct(index, 0, index.ntotal), vectors,
                                        Smoothing(**current.sidecar.smoothing))
-            current.index.add(vectors)
+            kind.add(index, vectors)
         sidecar = dataclasses.replace(
             current.sidecar, count=current.index.ntotal, created=now_utc()
         )
@@ -103,7 +116,7 @@ def print_append(report: AppendReport) -> None:
     print(f"index: {report.out}")
     print(f"  added {report.added} photos ({report.from_cache} from the feature cache), "
           f"skipped {report.skipped} already indexed")
-    print(f"  now {s.count} photos, kind={s.kind}, dims={s.dims} of L={s.L}")
+    print(f"  now {s.count} photos, kind={s.kind}, dims={s.dims} of width {s.width}")
 
 
 @dataclass(frozen=True)
@@ -116,6 +129,7 @@ class AddConfig:
     threads: int = 2
     feature_cache: str | None = None  # training's feature cache; None: the checkpoint's; "none"
     workers: int = 1  # DataLoader processes decoding photos; 0: the main one
+    encoder: str = "auto"  # photo encoder: auto (ONNX Runtime on CPU) | onnx | torch
     progress: bool = True
 
 
@@ -123,7 +137,7 @@ def parse_args(argv: list[str] | None = None) -> AddConfig:
     """One dashed flag per AddConfig field (training.cli); --index and --photos are
     required."""
     parser = cli.build_parser(AddConfig, prog="python -m index.add",
-                              description=__doc__,
+                              description=__doc__, choices={"encoder": list(ENCODERS)},
                               required=("index", "photos"))
     return cli.parse(parser, AddConfig, argv)
 
@@ -139,7 +153,8 @@ def _main(argv: list[str]) -> int:
     checkpoint = cfg.checkpoint or read_sidecar(cfg.index).checkpoint
     embedder = Embedder.from_checkpoint(checkpoint, device=cfg.device)
     print_append(append_photos(embedder, cfg.index, cfg.photos, cfg.batch_size, cfg.progress,
-                               feature_cache_dir(cfg.feature_cache, embedder), cfg.workers))
+                               feature_cache_dir(cfg.feature_cache, embedder), cfg.workers,
+                               cfg.encoder, cfg.threads))
     return 0
 
 

@@ -4,8 +4,9 @@
 
 Each unfinished shard of the plan (`index.shards`) is one row of a Ray dataset; a pool of
 actors, each loading the checkpoint once (one per GPU, else one per CPU slot), maps a row to
-its shard: decode and embed its photos exactly as the local engine does
-(`index.gallery.embed_photos`), then write the shard atomically. Ray Data restarts an actor
+its shard: embed its photos exactly as the local engine does (`index.embed.embed_slice`:
+cached features where training left them, else the photo encoder, which the driver exports
+into OUT/encoders once for all actors), then write the shard atomically. Ray Data restarts an actor
 whose worker died (killed, out of memory, its node lost) and runs its shard again (Ray Data's
 defaults: no limit on either); an error raised while embedding (an unreadable photo, named in
 the message) stops the run. A rerun embeds only the shards that are not finished.
@@ -25,12 +26,14 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from index.gallery import Photo, embed_photos
+from index.embed import embed_slice, export_photo_encoder, photo_encoder
+from index.gallery import Photo
 from index.shards import Shard, ShardPlan, write_shard
 from index.threads import set_threads
 from training.cdk.model.embedder import Embedder
 
 log = logging.getLogger(__name__)
+
 
 class CheckpointLoader:
     """Builds the embedder inside an actor (a picklable stand-in for a lambda)."""
@@ -47,7 +50,7 @@ class ShardWriter:
     """A Ray Data actor: holds one embedder, turns rows {"shard", "photos"} into shard files."""
 
     def __init__(self, load: Callable[[], Embedder], plan_fields: dict, batch_size: int,
-                 threads: int):
+                 threads: int, cache_dir: str | None, encoder: str, out: str):
         set_threads(threads)
         self.embedder = load()
         self.fields = plan_fields
@@ -56,21 +59,24 @@ class ShardWriter:
                 f"the checkpoint loaded on this worker has sha256 "
                 f"{self.embedder.checkpoint_sha256[:16]}..., the driver's "
                 f"{plan_fields['checkpoint_sha256'][:16]}...: the nodes do not see the same file")
-        self.batch_size = batch_size
+        self.encoder = photo_encoder(self.embedder, out, threads, encoder)
+        self.batch_size, self.cache_dir = batch_size, cache_dir
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        counts = []
+        counts, cached = [], []
         for number, start, key, rows in zip(batch["shard"], batch["start"], batch["key"],
                                             batch["photos"], strict=True):
             photos = tuple(Photo(id=r["id"], cls=r["class"], path=r["path"])
                            for r in json.loads(rows))
             shard = Shard(int(number), int(start), str(key), photos)
             plan = ShardPlan(shards=(shard,), **self.fields)
-            vectors = embed_photos(self.embedder, plan.root, list(photos), plan.dims,
-                                   self.batch_size, progress=False)
+            vectors, hits = embed_slice(self.embedder, self.encoder, plan.root, list(photos),
+                                        self.cache_dir, self.batch_size)
             write_shard(plan, shard, vectors)
             counts.append(len(photos))
-        return {"shard": batch["shard"], "count": np.asarray(counts, dtype=np.int64)}
+            cached.append(hits)
+        return {"shard": batch["shard"], "count": np.asarray(counts, dtype=np.int64),
+                "cached": np.asarray(cached, dtype=np.int64)}
 
 
 def _start(address: str | None, num_cpus: int):
@@ -88,25 +94,29 @@ def _start(address: str | None, num_cpus: int):
 
 
 def embed_ray(plan: ShardPlan, shards: list[Shard], load: Callable[[], Embedder],
-              batch_size: int = 32, address: str | None = None, actors: int = 0,
-              num_cpus: int = 2, progress: bool = True) -> int:
-    """Embed `shards` with a pool of Ray actors; returns the number of photos embedded.
+              embedder: Embedder, out: Path, batch_size: int = 32,
+              cache_dir: str | Path | None = None, encoder: str = "auto",
+              address: str | None = None, actors: int = 0, num_cpus: int = 2,
+              progress: bool = True) -> tuple[int, int]:
+    """Embed `shards` with a pool of Ray actors; returns (photos embedded, how many of them
+    came from the feature cache).
 
-    `load` builds the embedder in each actor. `actors` = 0: one per GPU when the cluster has
-    GPUs, else one per CPU. A local Ray (no `address`, none running) gets `num_cpus` CPUs and
-    is shut down at the end.
+    `load` builds the embedder in each actor (`embedder` is the driver's, which exports the
+    photo encoder into `out` first). `actors` = 0: one per GPU when the cluster has GPUs,
+    else one per CPU. A local Ray (no `address`, none running) gets `num_cpus` CPUs and is
+    shut down at the end.
     """
     if not shards:
-        return 0
+        return 0, 0
+    export_photo_encoder(embedder, out, encoder)
     ray, started = _start(address, num_cpus)
     try:
         gpus = int(ray.cluster_resources().get("GPU", 0))
         cpus = int(ray.cluster_resources().get("CPU", 1))
-        size = actors or (gpus or cpus)
-        size = max(1, min(size, len(shards)))
+        size = max(1, min(actors or (gpus or cpus), len(shards)))
         slot = {"num_gpus": 1} if gpus else {"num_cpus": 1}
         plan.folder.mkdir(parents=True, exist_ok=True)
-        fields = {"folder": plan.folder, "root": plan.root, "dims": plan.dims,
+        fields = {"folder": plan.folder, "root": plan.root, "width": plan.width,
                   "checkpoint_sha256": plan.checkpoint_sha256}
         rows = [{"shard": s.number, "start": s.start, "key": s.key,
                  "photos": json.dumps([{"id": p.id, "class": p.cls, "path": p.path}
@@ -115,19 +125,22 @@ def embed_ray(plan: ShardPlan, shards: list[Shard], load: Callable[[], Embedder]
         ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
             ShardWriter,
             fn_constructor_kwargs={"load": load, "plan_fields": fields,
-                                   "batch_size": batch_size, "threads": 1},
+                                   "batch_size": batch_size, "threads": 1,
+                                   "cache_dir": None if cache_dir is None else str(cache_dir),
+                                   "encoder": encoder, "out": str(out)},
             batch_size=1,
             compute=ray.data.ActorPoolStrategy(size=size),
             **slot,
         )
         bar = tqdm(total=sum(len(s.photos) for s in shards), desc="embedding shards (ray)",
                    unit="img", disable=not progress)
-        done = 0
+        done = cached = 0
         for row in ds.iter_rows():
             done += int(row["count"])
+            cached += int(row["cached"])
             bar.update(int(row["count"]))
         bar.close()
-        return done
+        return done, cached
     finally:
         if started:
             ray.shutdown()

@@ -1,5 +1,5 @@
-"""Search over d-prefixes: queries zero-padded to the stored dims, exact top-k by brute
-force, and the recall of an index against it."""
+"""Search over d-prefixes: queries zero-padded to the stored dims, and the exact top-k by
+brute force (the reference recall is measured against: `index.assemble.blocks_recall`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 
 from index.gpu import gpu_available, to_gpu
 
-__all__ = ["pad_queries", "exact_topk", "exact_topk_blocks", "recall_at_k", "recall_of"]
+__all__ = ["pad_queries", "exact_topk", "exact_topk_blocks"]
 
 
 def pad_queries(queries: np.ndarray, stored_dims: int) -> np.ndarray:
@@ -50,34 +50,3 @@ def exact_topk_blocks(
         best_s = np.take_along_axis(best_s, order, 1)
         best_i = np.take_along_axis(best_i, order, 1)
     return best_s, best_i
-
-
-def recall_at_k(
-    index: faiss.Index,
-    vectors: np.ndarray,
-    k: int = 10,
-    dims: int | None = None,
-    n_queries: int = 1000,
-    seed: int = 0,
-) -> float:
-    """Fraction of the exact top-k found by `index`, queries drawn from the gallery itself.
-
-    `vectors` (N, D) are the stored embeddings; `dims` <= D selects the prefix being scored.
-    """
-    n, stored = vectors.shape
-    d = stored if dims is None else dims
-    k = min(k, n)
-    rng = np.random.default_rng(seed)
-    picks = rng.choice(n, size=min(n_queries, n), replace=False)
-    queries = np.ascontiguousarray(vectors[picks, :d])
-    _, truth = exact_topk(np.ascontiguousarray(vectors[:, :d]), queries, k)
-    return recall_of(index, queries, truth, stored, k)
-
-
-def recall_of(index: faiss.Index, queries: np.ndarray, truth: np.ndarray, stored: int,
-              k: int) -> float:
-    """Fraction of the exact top-k `truth` (Q, k) rows that `index` finds for the d-prefix
-    `queries` (Q, d), searched zero-padded to the `stored` dims."""
-    _, found = index.search(pad_queries(queries, stored), k)
-    hits = sum(len(set(t) & set(f[f >= 0])) for t, f in zip(truth, found, strict=True))
-    return hits / (len(queries) * k)

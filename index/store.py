@@ -12,15 +12,17 @@ OUT/v-.../, then replaces CURRENT (temp file, fsync, rename, fsync OUT). Readers
 CURRENT, so a writer killed at any moment leaves the old index (before the rename of CURRENT)
 or the new one (after). The version CURRENT named before a write is kept until the next write,
 so a reader that just followed the old pointer still finds it; older versions and the
-temporaries of killed writers are removed by later writers. An index written by earlier code
-(index.faiss, index.json and meta.jsonl, one JSON row a photo, directly in OUT without
-CURRENT, or in a version folder) is still read, its rows into a table in memory; the next
-write converts it.
+temporaries of killed writers are removed by later writers.
+
+There is one format (FORMAT_VERSION). Folders written by earlier code (the three files
+directly in OUT, a `meta.jsonl` photo table, a sidecar of another format or without the
+fields of this one) are refused with an error naming the folder and the fix, a rebuild,
+which may write over them.
 
 Loading checks that the index, the sidecar and the table agree, so a half-written or
 hand-edited index is refused, and that the checkpoint is the one the index was built from.
-Every photo path is relative and stays below the photo root: all of meta.jsonl's when it is
-read, a table's row by row as rows are read (`index.table`).
+Every photo path is relative and stays below the photo root, checked row by row as rows are
+read (`index.table`). The index's kind (`index.kinds`) answers its searches.
 """
 
 from __future__ import annotations
@@ -32,14 +34,15 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
 import faiss
 import numpy as np
 
+from index import kinds
 from index.errors import (
     IndexCorruptError,
     IndexLockedError,
@@ -47,16 +50,15 @@ from index.errors import (
     IndexNotFoundError,
 )
 from index.gallery import Photo
-from index.search import pad_queries
-from index.table import TABLE_FILE, PhotoTable, check_photo_path, write_table
+from index.table import TABLE_FILE, PhotoTable, write_table
 from training.files import fsync_dir
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 INDEX_FILE = "index.faiss"
 SIDECAR_FILE = "index.json"
-META_FILE = "meta.jsonl"  # the photo table of earlier code, one JSON object a row: read only
+META_FILE = "meta.jsonl"  # the photo table of earlier code: refused
 METRIC = "inner_product"
 POINTER_FILE = "CURRENT"
 LOCK_FILE = ".lock"
@@ -65,7 +67,8 @@ SHARDS_DIR = "shards"  # index.shards keeps the embedding shards of sharded buil
 VERSION_NAME = re.compile(r"^v-\d{8}T\d{6}Z-[0-9a-f]{12}$")
 STAGE_NAME = re.compile(r"^\.tmp-[0-9a-f]{32}$")
 POINTER_TEMP_NAME = re.compile(r"^\.CURRENT\.tmp-[0-9a-f]{32}$")
-FLAT_FILES = (INDEX_FILE, META_FILE, SIDECAR_FILE)  # the layout of earlier code, directly in OUT
+# The layout of earlier code, directly in OUT: refused by readers, replaced by a rebuild.
+FLAT_FILES = (INDEX_FILE, META_FILE, SIDECAR_FILE)
 # How a server opens index.faiss: IO_FLAG_MMAP_IFC maps the vectors and codes of every kind
 # (flat, IVF, SQ, PQ) from the file, read only (FAISS 1.15's IO_FLAG_MMAP still copied a flat
 # index's vectors into memory). Such an index cannot be added to (append loads a copy).
@@ -80,40 +83,45 @@ class Sidecar:
     checkpoint_sha256: str
     checkpoint: str  # path of the checkpoint at build time (a hint; the hash is the identity)
     backbone: str
-    L: int  # embedding size of the checkpoint
-    dims: int  # stored prefix length, 1 <= dims <= L
+    width: int  # the embeddings' width: the learned modes, then the raw coordinates
+    modes: int  # the learned modes: coordinates 1..modes (d-prefixes up to it use them alone)
+    dims: int  # stored prefix length, 1 <= dims <= width
     metric: str
     count: int
-    kind: str
+    kind: str  # an index.kinds name
     created: str
     photos_root: str  # photo table paths are relative to this folder
-    # Optional (absent from sidecars of earlier code): the kind's parameters (cells, probes,
-    # code size) and the recall@k against exact search measured at build time.
-    params: dict = field(default_factory=dict)
-    recall: dict = field(default_factory=dict)
-    # Optional: the gallery smoothing of the stored vectors ({k, weight, rounds};
-    # training.cdk.model.smoothing), empty when they are the plain embeddings
-    smoothing: dict = field(default_factory=dict)
+    params: dict  # the kind's parameters (cells, probes, code sizes); {} for flat
+    recall: dict  # recall@k against exact search measured at build ({}: an exact kind)
+    smoothing: dict  # the gallery smoothing of the stored vectors ({k, weight, rounds}; {}: none)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, source: str) -> Sidecar:
+    def from_json(cls, text: str, source: str, folder: str | Path) -> Sidecar:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as err:
             raise IndexCorruptError(f"sidecar {source!r} is not valid JSON: {err}") from err
-        names = {f.name for f in fields(cls)}
-        optional = {f.name for f in fields(cls) if f.default_factory is not MISSING}
-        missing = names - optional - raw.keys()
-        if missing:
-            raise IndexCorruptError(f"sidecar {source!r} lacks fields {sorted(missing)}")
-        if raw["format"] != FORMAT_VERSION:
+        if not isinstance(raw, dict):
+            raise IndexCorruptError(f"sidecar {source!r} is not a JSON object")
+        fix = f"rebuild it: {rebuild_command(folder)}"
+        if raw.get("format") != FORMAT_VERSION:
             raise IndexCorruptError(
-                f"sidecar {source!r} has format {raw['format']!r}; this code reads {FORMAT_VERSION}"
-            )
-        return cls(**{k: raw[k] for k in names if k in raw})
+                f"index {str(folder)!r} was written by earlier code (sidecar format "
+                f"{raw.get('format')!r}; this code reads format {FORMAT_VERSION}); {fix}")
+        names = {f.name for f in fields(cls)}
+        missing, extra = names - raw.keys(), raw.keys() - names
+        if missing or extra:
+            raise IndexCorruptError(
+                f"sidecar {source!r} lacks fields {sorted(missing)} or has unknown ones "
+                f"{sorted(extra)}; {fix}")
+        return cls(**raw)
+
+
+def rebuild_command(folder: str | Path) -> str:
+    return f"python -m index.build --checkpoint CKPT --photos DIR --out {folder}"
 
 
 def new_sidecar(embedder, checkpoint: str | Path, dims: int, count: int, kind: str,
@@ -126,7 +134,8 @@ def new_sidecar(embedder, checkpoint: str | Path, dims: int, count: int, kind: s
         checkpoint_sha256=embedder.checkpoint_sha256,
         checkpoint=str(Path(checkpoint).absolute()),
         backbone=embedder.backbone,
-        L=int(embedder.width),
+        width=int(embedder.width),
+        modes=int(embedder.modes),
         dims=dims,
         metric=METRIC,
         count=count,
@@ -144,14 +153,15 @@ def now_utc() -> str:
 
 
 class GalleryIndex:
-    """A loaded index: FAISS search over d-prefixes plus the photo table (`photos[row]` ->
-    Photo, decoded when asked for)."""
+    """A loaded index: FAISS search over d-prefixes, answered by its kind (`index.kinds`),
+    plus the photo table (`photos[row]` -> Photo, decoded when asked for)."""
 
     def __init__(self, folder: Path, index: faiss.Index, sidecar: Sidecar, photos: PhotoTable):
         self.folder = folder
         self.index = index
         self.sidecar = sidecar
         self.photos = photos
+        self.kind = kinds.get(sidecar.kind)
 
     def row_of(self, photo_id: str) -> int | None:
         """The row of the photo with this id, or None."""
@@ -174,8 +184,9 @@ class GalleryIndex:
             raise ValueError(f"queries must be (N, d); got shape {queries.shape}")
         if k < 1:
             raise ValueError(f"k={k} must be >= 1")
-        scores, rows = self.index.search(pad_queries(queries, self.dims), min(k, len(self)))
-        return scores, rows
+        if not 1 <= queries.shape[1] <= self.dims:
+            raise ValueError(f"query has {queries.shape[1]} dims; the index stores {self.dims}")
+        return self.kind.search(self.index, queries, min(k, len(self)))
 
     def photo_path(self, photo: Photo, photos_root: Path | None = None) -> Path:
         """Absolute path of a photo; `photos_root` overrides the root recorded at build."""
@@ -236,31 +247,29 @@ def _read_pointer(folder: Path) -> str | None:
 
 
 def current_version(folder: str | Path) -> Path:
-    """The folder holding the three files of the current index of `folder`.
+    """The version folder `folder/<name in CURRENT>` holding the current index of `folder`.
 
-    That is `folder/<name in CURRENT>`, or `folder` itself for an index written by earlier
-    code. IndexNotFoundError when there is no folder, IndexCorruptError when it holds no
-    complete index.
+    IndexNotFoundError when there is no folder, IndexCorruptError when it holds no complete
+    index (or one in the layout of earlier code).
     """
     folder = Path(folder)
     if not folder.is_dir():
-        leftovers = sorted(folder.parent.glob(f".{folder.name}.old-*")) if folder.name else []
-        hint = (f"; an interrupted rebuild by an earlier version left {str(leftovers[0])!r}: "
-                f"rename it to {str(folder)!r} or rebuild" if leftovers else "")
-        raise IndexNotFoundError(f"no index folder at {str(folder)!r}{hint}")
+        raise IndexNotFoundError(f"no index folder at {str(folder)!r}")
     name = _read_pointer(folder)
     if name is None:
         if (folder / SIDECAR_FILE).is_file():
-            return folder
+            raise IndexCorruptError(
+                f"{str(folder)!r} holds an index in the layout of earlier code (its files "
+                f"directly in the folder, no {POINTER_FILE}); rebuild it: "
+                f"{rebuild_command(folder)}")
         raise IndexCorruptError(
-            f"{str(folder)!r} has no {POINTER_FILE} (nor an {SIDECAR_FILE} of the earlier "
-            "layout): it is not a complete index (an interrupted first build leaves none); "
-            "rebuild it"
+            f"{str(folder)!r} has no {POINTER_FILE}: it is not a complete index (an "
+            f"interrupted first build leaves none); rebuild it: {rebuild_command(folder)}"
         )
     version = folder / name
     if not version.is_dir():
         raise IndexCorruptError(f"{str(folder / POINTER_FILE)!r} names {name!r}, which is "
-                                "missing; rebuild the index")
+                                f"missing; rebuild it: {rebuild_command(folder)}")
     return version
 
 
@@ -361,7 +370,7 @@ class IndexWriter:
         fsync_dir(out)  # the new pointer is durable: from here on the old version may go
         keep = {name, previous}
         self._remove(n for n in os.listdir(out) if VERSION_NAME.match(n) and n not in keep)
-        self._remove(n for n in FLAT_FILES if (out / n).exists())  # converted from the old layout
+        self._remove(n for n in FLAT_FILES if (out / n).exists())  # rebuilt over the old layout
         log.info("wrote %s index of %d photos (%d dims) to %s (version %s)", sidecar.kind,
                  sidecar.count, sidecar.dims, out, name)
         return out
@@ -377,33 +386,18 @@ def write_index(
 
 def read_sidecar(folder: str | Path) -> Sidecar:
     """Read and check the sidecar of the current index of `folder`."""
-    return _read_sidecar_at(current_version(folder))
+    return _read_sidecar_at(Path(folder), current_version(folder))
 
 
-def _read_sidecar_at(version: Path) -> Sidecar:
+def _read_sidecar_at(folder: Path, version: Path) -> Sidecar:
     path = version / SIDECAR_FILE
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise IndexCorruptError(
-            f"{str(version)!r} has no {SIDECAR_FILE}: it is not a complete index; rebuild it"
-        ) from None
-    return Sidecar.from_json(text, str(path))
-
-
-def iter_meta(path: Path) -> Iterator[Photo]:
-    """The rows of an earlier code's meta.jsonl, one at a time, every path checked (a
-    generator: `PhotoTable.from_photos` takes them a chunk at a time, never all as objects)."""
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            try:
-                row = json.loads(line)
-                photo = Photo(id=row["id"], cls=row["class"], path=row["path"])
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                msg = f"{str(path)!r} line {line_no} is malformed: {err}"
-                raise IndexCorruptError(msg) from err
-            check_photo_path(photo.path, f"{str(path)!r} line {line_no}")
-            yield photo
+            f"{str(version)!r} has no {SIDECAR_FILE}: it is not a complete index; rebuild it: "
+            f"{rebuild_command(folder)}") from None
+    return Sidecar.from_json(text, str(path), folder)
 
 
 def load_index(
@@ -431,7 +425,7 @@ def load_index(
 
 def _load_version(folder: Path, version: Path, checkpoint_sha256: str | None, mmap: bool
                   ) -> GalleryIndex:
-    sidecar = _read_sidecar_at(version)
+    sidecar = _read_sidecar_at(folder, version)
     if checkpoint_sha256 is not None and checkpoint_sha256 != sidecar.checkpoint_sha256:
         raise IndexMismatchError(
             f"index {str(folder)!r} was built from checkpoint sha256 "
@@ -446,29 +440,27 @@ def _load_version(folder: Path, version: Path, checkpoint_sha256: str | None, mm
         index = faiss.read_index(str(version / INDEX_FILE), flags)
     except RuntimeError as err:
         raise IndexCorruptError(f"cannot read {str(version / INDEX_FILE)!r}: {err}") from err
-    photos, table_file = _read_table(version)
+    photos = _read_table(folder, version)
     if not (index.ntotal == len(photos) == sidecar.count):
         raise IndexCorruptError(
             f"index {str(folder)!r} disagrees with itself: {INDEX_FILE} holds {index.ntotal} "
-            f"vectors, {table_file} {len(photos)} rows, {SIDECAR_FILE} says {sidecar.count}"
+            f"vectors, {TABLE_FILE} {len(photos)} rows, {SIDECAR_FILE} says {sidecar.count}"
         )
-    if index.d != sidecar.dims or not 1 <= sidecar.dims <= sidecar.L:
+    if index.d != sidecar.dims or not 1 <= sidecar.dims <= sidecar.width:
         raise IndexCorruptError(
             f"index {str(folder)!r} has {index.d} dims; sidecar says dims={sidecar.dims}, "
-            f"L={sidecar.L}"
+            f"width={sidecar.width}"
         )
+    if sidecar.kind not in kinds.KINDS:
+        raise IndexCorruptError(f"index {str(folder)!r} is of kind {sidecar.kind!r}, which this "
+                                f"code does not know; rebuild it: {rebuild_command(folder)}")
     return GalleryIndex(folder, index, sidecar, photos)
 
 
-def _read_table(version: Path) -> tuple[PhotoTable, str]:
-    """The photo table of a version (mapped), or its earlier code's meta.jsonl read into
-    one in memory; and the name of the file it came from."""
-    if (version / TABLE_FILE).is_file() or not (version / META_FILE).is_file():
-        return PhotoTable.open(version), TABLE_FILE  # names what is missing when neither is
-    meta = version / META_FILE
-    try:
-        return PhotoTable.from_photos(iter_meta(meta), str(meta)), META_FILE
-    except FileNotFoundError as err:
-        raise IndexCorruptError(f"index {str(version)!r} is missing {META_FILE}") from err
-    except ValueError as err:  # an id on two rows
-        raise IndexCorruptError(f"{str(meta)!r}: {err}; rebuild the index") from err
+def _read_table(folder: Path, version: Path) -> PhotoTable:
+    """The photo table of a version, mapped; the meta.jsonl of earlier code is refused."""
+    if not (version / TABLE_FILE).is_file() and (version / META_FILE).is_file():
+        raise IndexCorruptError(
+            f"index {str(folder)!r} has the photo table of earlier code ({META_FILE}); rebuild "
+            f"it: {rebuild_command(folder)}")
+    return PhotoTable.open(version)  # names what is missing

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import sys
 
-import uvicorn
-
 from index.errors import IndexStoreError
 from index.store import read_sidecar
 from service.main import create_app
-from service.server import server_config
+from service.server import Server, server_config
 from service.settings import Settings
 from training import cli
 from training.allocator import tune_allocator
@@ -57,8 +55,10 @@ def _main(argv: list[str]) -> int:
         return 2
     print(f"serving on http://{settings.host}:{settings.port}/ (open it in a browser to draw)",
           flush=True)
-    uvicorn.Server(server_config(create_app(settings), settings)).run()
-    return 0
+    app = create_app(settings)
+    server = Server(server_config(app, settings), app.state.drain)
+    server.run()
+    return 0 if server.started else 2  # not started: the reason is logged ("cannot start")
 
 
 if __name__ == "__main__":

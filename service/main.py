@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -13,16 +14,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from fastapi.staticfiles import StaticFiles
 
-from service.engine import RetrievalEngine, load_engine
-from service.middleware import AccessLogMiddleware, AdmissionMiddleware, BodyLimitMiddleware
-from service.routes import photos, retrieve, system, web
-from service.settings import SMALL_BODY_BYTES, Settings
+from service.auth import AuthMiddleware, Keys, read_keys
+from service.loading import load_engine
+from service.metrics import Metrics, MetricsMiddleware
+from service.middleware import (
+    AccessLogMiddleware,
+    Admission,
+    AdmissionMiddleware,
+    BodyLimitMiddleware,
+)
+from service.policy import RouteTable
+from service.reload import Reloader
+from service.retrieval import RetrievalEngine
+from service.routes import admin, photos, retrieve, system, web
+from service.settings import Settings
+from service.shutdown import Drain, DrainMiddleware
 
 log = logging.getLogger(__name__)
-
-RETRIEVAL_PATHS = ("/retrieve", "/retrieve/batch")
 
 
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -37,16 +46,19 @@ async def validation_error(request: Request, exc: RequestValidationError) -> JSO
 
 def schema_with_bounds(app: FastAPI, settings: Settings) -> dict:
     """The OpenAPI schema with the bounds that depend on the settings (k <= max_k) and on
-    the loaded index (dims <= stored dims) written into the query parameters."""
+    the loaded index (dims <= stored dims) written into every operation's `k` and `dims`
+    query parameters. Cached until the index changes (`app.openapi_schema = None`)."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     engine = app.state.engine
     maxima = {"k": settings.max_k, "dims": engine.dims if engine is not None else None}
-    for path in RETRIEVAL_PATHS:
-        for param in schema["paths"][path]["post"]["parameters"]:
-            bound = maxima.get(param["name"])
-            if bound is not None:
+    for operations in schema["paths"].values():
+        for operation in operations.values():
+            for param in operation.get("parameters", []):
+                bound = maxima.get(param["name"]) if param.get("in") == "query" else None
+                if bound is None:
+                    continue
                 for option in param["schema"].get("anyOf", [param["schema"]]):
                     if option.get("type") == "integer":
                         option["maximum"] = bound
@@ -60,33 +72,62 @@ def create_app(
     loader: Callable[[Settings], RetrievalEngine] = load_engine,
 ) -> FastAPI:
     settings = settings or Settings()
+    app = FastAPI(title="sketchsvd retrieval", version="0.1.0",
+                  lifespan=_lifespan(settings, loader))
+    state = app.state
+    state.settings = settings
+    state.engine = None
+    state.reloader = None
+    # The one bound on retrievals computing at once: waiting for it happens on the event
+    # loop (service.routes.retrieve), so waiting requests hold no thread.
+    state.slots = CapacityLimiter(settings.inference_slots)
+    state.admission = Admission(settings.max_pending)
+    state.keys = Keys(read_keys(settings), settings.signed_url_ttl)
+    state.metrics = Metrics(state)
+    state.drain = Drain(settings.shutdown_timeout)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.openapi = lambda: schema_with_bounds(app, settings)
+    table = RouteTable(lambda: app.routes, settings)
+    # Outermost last: access log, metrics, CORS, drain, keys, admission, body limit.
+    app.add_middleware(BodyLimitMiddleware, table=table, timeout=settings.body_timeout)
+    app.add_middleware(AdmissionMiddleware, table=table, admission=state.admission)
+    app.add_middleware(AuthMiddleware, table=table, keys=state.keys)
+    app.add_middleware(DrainMiddleware, drain=state.drain)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
+                           allow_methods=["GET", "POST"], allow_headers=["*"])
+    app.add_middleware(MetricsMiddleware, table=table, metrics=state.metrics)
+    app.add_middleware(AccessLogMiddleware)
+    for router in (retrieve.router, photos.router, system.router, admin.router, web.router):
+        app.include_router(router)
+    app.mount("/static", web.static_files(), name="static")
+    return app
+
+
+def _lifespan(settings: Settings, loader: Callable[[Settings], RetrievalEngine]):
+    """Load the engine at startup; poll the index for new versions while serving."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         start = time.perf_counter()
         try:
-            app.state.engine = loader(settings)
+            engine = loader(settings)
         except Exception as err:  # noqa: BLE001 - logged with its reason, then re-raised
             log.error("cannot start: %s: %s", type(err).__name__, err)
             raise
+        app.state.engine = engine
+        poller = None
+        if engine is not None:
+            app.state.reloader = Reloader(engine, settings.index, on_swap=lambda: setattr(
+                app, "openapi_schema", None))  # dims may change with the index
+            if settings.reload_interval > 0:
+                poller = asyncio.create_task(app.state.reloader.poll(settings.reload_interval))
         log.info("ready in %.1fs", time.perf_counter() - start)
-        yield
-        app.state.engine = None
+        try:
+            yield
+        finally:
+            if poller is not None:
+                poller.cancel()
+            app.state.engine = None
 
-    app = FastAPI(title="sketchsvd retrieval", version="0.1.0", lifespan=lifespan)
-    app.state.settings = settings
-    app.state.engine = None
-    app.state.slots = CapacityLimiter(settings.inference_slots)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.openapi = lambda: schema_with_bounds(app, settings)
-    app.add_middleware(BodyLimitMiddleware, limits=settings.body_limits,
-                       default=SMALL_BODY_BYTES, timeout=settings.body_timeout)
-    app.add_middleware(AdmissionMiddleware, paths=RETRIEVAL_PATHS, limit=settings.max_pending)
-    if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
-                           allow_methods=["GET", "POST"], allow_headers=["*"])
-    app.add_middleware(AccessLogMiddleware)
-    for router in (retrieve.router, photos.router, system.router, web.router):
-        app.include_router(router)
-    app.mount("/static", StaticFiles(directory=web.STATIC_DIR), name="static")
-    return app
+    return lifespan

@@ -1,5 +1,6 @@
 """ASGI middleware at the edge: admission cap, request body limits and timeout, and the
-access log with latency."""
+access log with latency. What applies to a path comes from its route's declared policy
+(service.policy)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import time
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.policy import RouteTable
 
 access_log = logging.getLogger("service.access")
 # On answers given before the body was read: the rest of it must not be parsed as the next
@@ -24,47 +27,60 @@ def printable(text: str) -> str:
                    else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
-class AdmissionMiddleware:
-    """At most ``limit`` requests to ``paths`` at once; more are answered 503 with
-    ``Retry-After`` before their body is read, so a burst can neither queue unbounded nor
-    hold its uploads in memory."""
+class Admission:
+    """The count of admitted requests (routes declared `admitted`) and of those refused."""
 
-    def __init__(self, app: ASGIApp, paths: tuple[str, ...], limit: int, retry_after: int = 1):
-        self.app = app
-        self.paths = paths
+    def __init__(self, limit: int):
         self.limit = limit
-        self.retry_after = retry_after
         self.active = 0  # one event loop: no lock needed
+        self.admitted = 0
+        self.rejected = 0
+
+
+class AdmissionMiddleware:
+    """At most ``admission.limit`` requests to routes declared `admitted` at once; more are
+    answered 503 with ``Retry-After`` before their body is read, so a burst can neither
+    queue unbounded nor hold its uploads in memory."""
+
+    def __init__(self, app: ASGIApp, table: RouteTable, admission: Admission,
+                 retry_after: int = 1):
+        self.app = app
+        self.table = table
+        self.admission = admission
+        self.retry_after = retry_after
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in self.paths:
+        if scope["type"] != "http" or not self.table.rule(scope).admitted:
             return await self.app(scope, receive, send)
-        if self.active >= self.limit:
-            detail = f"busy: {self.active} retrievals in progress; retry after {self.retry_after}s"
+        state = self.admission
+        if state.active >= state.limit:
+            state.rejected += 1
+            detail = (f"busy: {state.active} retrievals in progress; retry after "
+                      f"{self.retry_after}s")
             response = JSONResponse({"detail": detail}, status_code=503,
                                     headers={"Retry-After": str(self.retry_after)})
             return await response(scope, receive, send)
-        self.active += 1
+        state.active += 1
+        state.admitted += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.active -= 1
+            state.active -= 1
 
 
 class BodyLimitMiddleware:
-    """Refuse bodies over the path's limit: by Content-Length before any byte of the body is
+    """Refuse bodies over the route's limit: by Content-Length before any byte of the body is
     read, else while streaming; and a body not received within ``timeout`` seconds is 408."""
 
-    def __init__(self, app: ASGIApp, limits: dict[str, int], default: int, timeout: float):
+    def __init__(self, app: ASGIApp, table: RouteTable, timeout: float):
         self.app = app
-        self.limits = limits
-        self.default = default
+        self.table = table
         self.timeout = timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = self.limits.get(scope["path"], self.default)
+        limit = self.table.rule(scope).body
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:

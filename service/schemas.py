@@ -39,12 +39,14 @@ class ErrorOut(BaseModel):
 
 ERROR_MEANING = {
     400: "empty, truncated or damaged image",
+    401: "API keys are on and the request has no valid key (or signed URL)",
     404: "unknown photo id",
     408: "request body not received in time",
+    409: "the new index version is refused (the reason is named; the old one serves on)",
     413: "body, file, pixel count or batch over its limit",
     415: "not a PNG/JPEG/WebP image",
     422: "a parameter or field is missing or out of range",
-    503: "not loaded yet, or busy (see Retry-After)",
+    503: "not loaded yet, busy or shutting down (see Retry-After)",
 }
 
 
@@ -76,14 +78,21 @@ class InfoOut(BaseModel):
     checkpoint_sha256: str
     backbone: str
     encoder: str  # what embeds query sketches: onnxruntime or torch
+    precision: str  # its arithmetic: fp32 or int8
     mirror_queries: bool  # each sketch averaged with its mirror image (two backbone passes)
     gallery_smoothing: dict  # the index's smoothing of photos ({k, weight, rounds}; {}: none)
-    L: int  # the embeddings' width: the learned modes, then the raw coordinates
+    width: int  # the embeddings' width: the learned modes, then the raw coordinates
     modes: int  # the learned singular functions: dims <= modes queries use them alone
     raw_dims: int  # centred backbone-feature coordinates after the modes (0: none)
     available_dims: DimsRange
     gallery_size: int
     classes: int
     index_kind: str
+    index_version: str | None  # the version folder served (None: an index without versions)
     metric: str
     limits: Limits
+
+
+class ReloadOut(BaseModel):
+    version: str | None  # the index version served now
+    changed: bool  # whether this check switched to it

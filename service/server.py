@@ -1,4 +1,5 @@
-"""The uvicorn server of `python -m service`: connection timeouts and header size bound.
+"""The uvicorn server of `python -m service`: connection timeouts, header size bound and
+graceful shutdown.
 
 uvicorn closes idle keep-alive connections (`timeout_keep_alive`) and bounds the size of
 request headers (`h11_max_incomplete_event_size`), but has no time limit on receiving them:
@@ -6,11 +7,18 @@ a client sending one header byte every few seconds holds its connection forever.
 protocol below closes a connection whose request headers are not complete within
 `header_timeout` seconds of its opening or of the previous response. The body has its own
 deadline (`service.middleware.BodyLimitMiddleware`, 408).
+
+`Server` drains on SIGTERM or SIGINT (service.shutdown): new requests are answered 503 while
+the admitted ones finish, then uvicorn stops; the process exits 0 (uvicorn would raise the
+signal again after its shutdown, ending the process with the signal's status).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import signal
+from types import FrameType
 
 import h11
 import uvicorn
@@ -18,6 +26,9 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from service.settings import Settings
+from service.shutdown import Drain
+
+log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 16 * 1024
 
@@ -60,5 +71,28 @@ def server_config(app: FastAPI, settings: Settings, **overrides) -> uvicorn.Conf
     options = dict(host=settings.host, port=settings.port, log_level=settings.log_level,
                    access_log=False, http=protocol,
                    timeout_keep_alive=settings.keep_alive_timeout,
-                   h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+                   h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                   # after the drain: what is left are idle keep-alive connections
+                   timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout)))
     return uvicorn.Config(app, **{**options, **overrides})
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, draining on the first SIGTERM or SIGINT (`drain`), stopping at once
+    on the second."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain):
+        super().__init__(config)
+        self.drain = drain
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig in (signal.SIGTERM, signal.SIGINT) and not self.drain.draining:
+            self.drain.start()  # on_tick stops the server once the drain is done
+            return
+        log.warning("second signal %s: stopping now", signal.Signals(sig).name)
+        self.should_exit = self.force_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain.done():
+            self.should_exit = True
+        return await super().on_tick(counter)

@@ -11,7 +11,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MULTIPART_OVERHEAD = 64 * 1024  # boundaries and part headers around the files
-SMALL_BODY_BYTES = 64 * 1024  # any route without files
+SMALL_BODY_BYTES = 64 * 1024  # any route that declares no other limit (service.policy)
 
 
 class Settings(BaseSettings):
@@ -30,13 +30,22 @@ class Settings(BaseSettings):
     encoder: Literal["auto", "onnx", "torch"] = Field(
         default="auto", description="sketch encoder. auto: ONNX Runtime on the CPU (exported "
         "once per checkpoint, cached in the index folder), PyTorch on CUDA")
+    precision: Literal["auto", "fp32", "int8"] = Field(
+        default="auto", description="the ONNX sketch encoder's arithmetic. auto: int8 where "
+        "it holds parity with float32 on the checkpoint's validation classes and is faster on "
+        "this CPU (made once per checkpoint, calibrated on its training classes, cached in "
+        "the index folder), else float32")
+    calibration_data: Path | None = Field(
+        default=None, description="the training data for int8 calibration and parity; None: "
+        "the folder the checkpoint was trained on")
     mirror_queries: bool | None = Field(
         default=None, description="None: sketches embedded as the checkpoint was trained "
         "(the cpu preset embeds each sketch alone, one backbone pass; a checkpoint trained "
         "with --flip-average-sketches averages it with its mirror image: two passes); "
         "false: the sketch alone even then (x1.6 queries/s on the CPU)")
     threads: int = Field(default=1, ge=1, description="torch/FAISS threads per inference")
-    inference_slots: int = Field(default=2, ge=1, description="concurrent decodes + forwards")
+    inference_slots: int = Field(default=2, ge=1, description="retrievals computing at once "
+                                 "(decode, forward, search); more wait for a slot")
     embed_batch: int = Field(default=4, ge=1, description="sketches per forward; bounds the "
                              "activation memory of a batch request (raise it on a GPU)")
     max_pending: int = Field(
@@ -48,6 +57,22 @@ class Settings(BaseSettings):
                                 description="seconds to receive a request's body")
     keep_alive_timeout: int = Field(default=5, ge=1,
                                     description="seconds an idle connection stays open")
+
+    reload_interval: float = Field(
+        default=1.0, ge=0, description="seconds between reads of the index's CURRENT pointer; "
+        "a new version is served without a restart (0: only on POST /admin/reload)")
+    shutdown_timeout: float = Field(
+        default=20.0, gt=0, description="seconds admitted requests get to finish after "
+        "SIGTERM, while new ones are answered 503")
+    api_keys: list[str] = Field(
+        default=[], description="API keys (SKETCHSVD_API_KEYS as a JSON list; prefer the "
+        "environment or a file to a flag, which other users can see). Any key: every route "
+        "but /health and the page needs one")
+    api_keys_file: Path | None = Field(
+        default=None, description="a file of API keys, one a line (# comments)")
+    signed_url_ttl: int = Field(
+        default=300, ge=1, description="seconds a signed photo URL in a result stays valid "
+        "(keys on)")
 
     max_upload_bytes: int = Field(default=5 * 1024 * 1024, ge=1)
     max_pixels: int = Field(default=4096 * 4096, ge=1, description="width x height of an upload")
@@ -63,8 +88,6 @@ class Settings(BaseSettings):
         return self.max_upload_bytes * self.max_batch + MULTIPART_OVERHEAD
 
     @property
-    def body_limits(self) -> dict[str, int]:
-        """Largest body per path: one file for /retrieve, a batch for /retrieve/batch; other
-        paths take at most SMALL_BODY_BYTES."""
-        return {"/retrieve": self.max_upload_bytes + MULTIPART_OVERHEAD,
-                "/retrieve/batch": self.max_body_bytes}
+    def max_file_body_bytes(self) -> int:
+        """Largest body of one file: the file plus multipart overhead."""
+        return self.max_upload_bytes + MULTIPART_OVERHEAD

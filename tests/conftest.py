@@ -1,10 +1,12 @@
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data" / "sketchy-mini"
+# SKETCHY_MINI: where the data is when the checkout is not beside shared/ (as tests/cdk read it)
+DATA = Path(os.environ.get("SKETCHY_MINI", REPO.parent / "shared" / "data" / "sketchy-mini"))
 SMALL_CLASSES = ("airplane", "cat", "tree")
 
 
@@ -57,7 +59,7 @@ def real_checkpoint(tmp_path_factory) -> Path:
     coordinates, so its embeddings are the 8 modes; ``hybrid_checkpoint`` has them)."""
     from training.cdk.model.checkpoint import init_checkpoint
 
-    return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "checkpoint.pt", L=8, hidden=16,
+    return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "checkpoint.pt", modes=8, hidden=16,
                            image_size=64, raw_dims=0)
 
 
@@ -66,7 +68,7 @@ def hybrid_checkpoint(tmp_path_factory) -> Path:
     """As ``real_checkpoint``, with 8 raw coordinates after the 8 modes (L = 16 wide)."""
     from training.cdk.model.checkpoint import init_checkpoint
 
-    return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "hybrid.pt", L=8, hidden=16,
+    return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "hybrid.pt", modes=8, hidden=16,
                            image_size=64, raw_dims=8)
 
 

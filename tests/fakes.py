@@ -12,16 +12,19 @@ import numpy as np
 import torch
 from PIL import Image
 
+from training.cdk.config import make_config, to_dict
+
 
 class FakeEmbedder:
     def __init__(self, L: int = 8, seed: int = 0, tag: str = "fake"):
         self.width = self.modes = L
         self.raw_dims = 0
         self.backbone = "fake-thumbnail"
-        self.config = {"L": L, "seed": seed}
+        # a complete training.cdk config: no gallery smoothing, no feature cache
+        self.config = to_dict(make_config(modes=L, seed=seed, smooth_k=0, cache_dir=""))
         self.checkpoint_sha256 = hashlib.sha256(f"{tag}-{L}-{seed}".encode()).hexdigest()
         self.device = torch.device("cpu")
-        self.flip_average = self.trained_flip_average = False
+        self.sketch_flip_average = self.trained_sketch_flip_average = False
         g = torch.Generator().manual_seed(seed)
         self.singular_values = torch.linspace(1.0, 0.1, L)
         self._proj = {

@@ -36,7 +36,7 @@ def checkpoint(tmp_path_factory) -> Path:
     from training.cdk.model.checkpoint import init_checkpoint
 
     path = tmp_path_factory.mktemp("ckpt") / "checkpoint.pt"
-    init_checkpoint(path, L=4, hidden=8)
+    init_checkpoint(path, modes=4, hidden=8)
     return path
 
 

@@ -1,11 +1,10 @@
-import hashlib
 import os
 import stat
 
 import pytest
 import torch
 
-from training.files import atomic_save, atomic_write_text, file_sha256
+from training.files import atomic_save, atomic_write_text
 
 
 def test_writes_and_replaces(tmp_path):
@@ -45,14 +44,6 @@ def test_savefig_writes_a_png_and_closes_the_figure(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not plt.fignum_exists(fig.number)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png"]
-
-
-def test_file_sha256_matches_hashlib_across_chunks(tmp_path):
-    data = bytes(range(256)) * 1000  # 256 kB: several chunks of 64 kB
-    path = tmp_path / "blob.bin"
-    path.write_bytes(data)
-    assert file_sha256(path, chunk=1 << 16) == hashlib.sha256(data).hexdigest()
-    assert file_sha256(path) == hashlib.sha256(data).hexdigest()
 
 
 @pytest.mark.parametrize(("umask", "expected"), [(0o022, 0o644), (0o077, 0o600)])

@@ -162,13 +162,14 @@ def test_other_bad_inputs_name_the_file(tmp_path):
 
 def test_training_and_index_embed_a_transparent_photo_alike(tmp_path):
     """The feature path of training and the gallery path of the index decode the same way."""
-    from index.gallery import embed_photos, scan_gallery
+    from index.embed import embed_photos
+    from index.gallery import scan_gallery
     from training.cdk.features import extract_features
     from training.cdk.model.backbones import bare_backbone
     from training.cdk.model.checkpoint import init_checkpoint, load_checkpoint
     from training.cdk.model.embedder import Embedder
 
-    ckpt = init_checkpoint(tmp_path / "c.pt", L=16, hidden=64)
+    ckpt = init_checkpoint(tmp_path / "c.pt", modes=16, hidden=64)
     e = Embedder.from_checkpoint(ckpt, device="cpu")
     rng = np.random.default_rng(0)
     rgba = rng.integers(0, 255, (40, 48, 4), dtype=np.uint8)
@@ -177,13 +178,13 @@ def test_training_and_index_embed_a_transparent_photo_alike(tmp_path):
     photo.parent.mkdir(parents=True)
     Image.fromarray(rgba, mode="RGBA").save(photo)
 
-    bb = bare_backbone(e.backbone, e.flip_average, e.pooling)  # as training builds it
+    bb = bare_backbone(e.backbone, e.photo_flip_average, e.pooling)  # as training builds it
     bb.module.load_state_dict(load_checkpoint(ckpt)["backbones"]["photo"])
     feats = extract_features([photo], bb, e.image_size, None, device="cpu")  # (1, D)
     trained = e.head(feats, "photo").numpy()  # (1, L)
 
     root, photos = scan_gallery(tmp_path / "gallery")
-    indexed = embed_photos(e, root, photos, dims=e.width, progress=False)  # (1, L)
+    indexed = embed_photos(e, root, photos, progress=False)  # (1, L)
     np.testing.assert_allclose(indexed, trained, rtol=1e-4, atol=1e-5)
 
     black = e.embed([Image.open(photo).convert("RGB")], "photo")  # transparent -> black

@@ -74,7 +74,7 @@ def test_the_scan_sees_the_known_edges():
     assert "training.loss" in GRAPH["training.cdk.train"]  # a relative `from ..loss import`
     assert "training.pde.plots" in GRAPH["training.pde.run"]  # `from training.pde import plots`
     assert "index.add" in GRAPH["index.build"]
-    assert "training.cdk.model.embedder" in GRAPH["service.engine"]
+    assert "training.cdk.model.embedder" in GRAPH["service.loading"]
 
 
 def test_no_module_imports_a_later_layer():

@@ -52,14 +52,9 @@ def test_joint_masks_follow_their_definition():
             assert M[i, j] == m[max(i, j)]
 
 
-def test_uniform_and_stepwise_weights():
+def test_uniform_weights():
     m, _ = nesting_masks(4)
     torch.testing.assert_close(m, torch.tensor([1.0, 0.75, 0.5, 0.25], dtype=DT))
-    # step=3 on L=7: prefixes 3, 6 and 7 carry weight 1/3 each.
-    m, _ = nesting_masks(7, step=3)
-    third = 1 / 3
-    expected = torch.tensor([1, 1, 1, 2 * third, 2 * third, 2 * third, third], dtype=DT)
-    torch.testing.assert_close(m, expected)
 
 
 def test_sequential_and_constant_mode_masks():
@@ -81,7 +76,6 @@ def test_sequential_and_constant_mode_masks():
         (dict(L=3, nesting="nested"), "nesting must be one of"),
         (dict(L=3, weights=[1.0, 2.0]), "weights must have L=3"),
         (dict(L=3, weights=[1.0, 0.0, 1.0]), "weights must be positive"),
-        (dict(L=3, step=0), "step must be a positive integer"),
         (dict(L=3, nesting="sequential", weights=[1, 1, 1]), "joint nesting only"),
     ],
 )

@@ -1,11 +1,9 @@
 """Files: atomic writes (a temp file beside the target, fsync, then rename over it, so a
 reader never sees a half-written checkpoint or metrics file; files get the usual mode,
-0666 & ~umask, so 0644 under the common umask 022) and the file hash that names a
-checkpoint."""
+0666 & ~umask, so 0644 under the common umask 022)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import uuid
 from collections.abc import Callable
@@ -70,12 +68,3 @@ def atomic_savefig(fig, path: str | Path, dpi: int = 120) -> Path:
         return _atomic(path, "wb", lambda fh: fig.savefig(fh, format=fmt, dpi=dpi))
     finally:
         plt.close(fig)
-
-
-def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
-    """Hex SHA-256 of a file's bytes (the identity of a checkpoint)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()

@@ -47,31 +47,24 @@ def nesting_masks(
     L: int,
     nesting: str = "joint",
     weights=None,
-    step: int = 1,
     constant_mode: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vector and matrix masks, (L,) and (L, L) in float64, or (L+1,) / (L+1, L+1) with
     ``constant_mode`` (the CDK's fixed constant first mode, weighted like mode 1).
 
-    nesting: "joint" (weights w, uniform 1/L by default; with ``step`` > 1 only the prefixes
-    of length step, 2*step, ... and L carry weight), "sequential", or "none" (the plain LoRA
-    objective, which learns the top-L subspace but not its order).
+    nesting: "joint" (weights w: (L,) positive, uniform 1/L by default), "sequential", or
+    "none" (the plain LoRA objective, which learns the top-L subspace but not its order).
     """
     if not isinstance(L, int) or L < 1:
         raise ValueError(f"L must be a positive integer, got {L!r}")
     if nesting not in NESTINGS:
         raise ValueError(f"nesting must be one of {NESTINGS}, got {nesting!r}")
-    if not isinstance(step, int) or step < 1:
-        raise ValueError(f"step must be a positive integer, got {step!r}")
-    if nesting != "joint" and (weights is not None or step != 1):
-        raise ValueError(f"weights and step apply to joint nesting only, not {nesting!r}")
+    if nesting != "joint" and weights is not None:
+        raise ValueError(f"weights apply to joint nesting only, not {nesting!r}")
 
     if nesting == "joint":
         if weights is None:
-            prefix = torch.arange(1, L + 1)
-            keep = (prefix % step == 0) | (prefix == L)
-            w = keep.to(torch.float64)
-            w = w / w.sum()
+            w = torch.full((L,), 1.0 / L, dtype=torch.float64)
         else:
             w = torch.as_tensor(weights, dtype=torch.float64).flatten()
             if w.numel() != L:

@@ -1,12 +1,13 @@
 """GET /photos/{id}: serve a gallery photo; only ids in the index table resolve to files, and
-only files below the photo root are read (service.engine.RetrievalEngine.read_photo)."""
+only files below the photo root are read (service.photo_files)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException, Response
 
 from service.deps import EngineDep
-from service.engine import UnknownPhotoError
+from service.photo_files import UnknownPhotoError
+from service.policy import policy
 from service.schemas import ERRORS
 
 router = APIRouter(tags=["photos"])
@@ -14,7 +15,8 @@ router = APIRouter(tags=["photos"])
 
 @router.get("/photos/{photo_id}", name="photo", response_class=Response,
             responses={200: {"content": {"image/*": {}}, "description": "the photo file"},
-                       **ERRORS(404, 503)})
+                       **ERRORS(401, 404, 503)})
+@policy(signed=True)  # results link here with a signed URL when keys are on (service.auth)
 def photo(photo_id: str, engine: EngineDep) -> Response:
     try:
         data, media_type = engine.read_photo(photo_id)

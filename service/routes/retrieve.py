@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, BinaryIO
 
-from anyio import CapacityLimiter, to_thread
+from anyio import to_thread
 from fastapi import APIRouter, File, HTTPException, Query, Response, UploadFile
 
-from service.deps import EngineDep, SettingsDep, SlotsDep
-from service.engine import DimsError, Hit, RetrievalEngine
+from service.auth import Keys
+from service.deps import Retrieval, RetrievalDep
+from service.policy import policy
+from service.retrieval import DimsError, Hit, RetrievalEngine
 from service.schemas import ERRORS, BatchOut, HitOut, QueryOut, RetrieveOut
 from service.settings import Settings
 from training.images import (
@@ -53,7 +55,7 @@ def resolve_params(engine: RetrievalEngine, settings: Settings, dims: int | None
     return dims, k
 
 
-RETRIEVE_ERRORS = ERRORS(400, 408, 413, 415, 422, 503)
+RETRIEVE_ERRORS = ERRORS(400, 401, 408, 413, 415, 422, 503)
 
 
 def upload_of(file: UploadFile, limit: int) -> tuple[str, BinaryIO]:
@@ -66,59 +68,61 @@ def upload_of(file: UploadFile, limit: int) -> tuple[str, BinaryIO]:
     return name, file.file
 
 
-def hits_out(hits: list[Hit]) -> list[HitOut]:
-    return [HitOut(id=h.id, class_=h.cls, score=h.score, url=f"/photos/{h.id}") for h in hits]
+def hits_out(hits: list[Hit], keys: Keys) -> list[HitOut]:
+    """Hits with their photo URLs (signed when keys are on, so that <img src> opens them)."""
+    url = keys.sign if keys.enabled else (lambda path: path)
+    return [HitOut(id=h.id, class_=h.cls, score=h.score, url=url(f"/photos/{h.id}"))
+            for h in hits]
 
 
-async def run_retrieval(engine: RetrievalEngine, slots: CapacityLimiter, uploads, dims: int,
-                        k: int, response: Response):
+async def run_retrieval(ctx: Retrieval, uploads, dims: int, k: int, response: Response
+                        ) -> list[list[Hit]]:
     try:
         # Waiting for a slot happens here, on the event loop, not in a pool thread.
-        hits, timings = await to_thread.run_sync(engine.retrieve, uploads, dims, k,
-                                                 limiter=slots)
+        hits, timings = await to_thread.run_sync(ctx.engine.retrieve, uploads, dims, k,
+                                                 limiter=ctx.slots)
     except (ImageError, DimsError) as err:
         raise http_error(err) from err
     response.headers["Server-Timing"] = timings.header()
+    ctx.metrics.observe_stages(timings)
     return hits
 
 
 @router.post("/retrieve", response_model=RetrieveOut, response_model_by_alias=True,
              responses=RETRIEVE_ERRORS)
+@policy(body=lambda s: s.max_file_body_bytes, admitted=True)
 async def retrieve(
     file: Annotated[UploadFile, File(description="the sketch, PNG/JPEG/WebP")],
-    engine: EngineDep,
-    settings: SettingsDep,
-    slots: SlotsDep,
+    ctx: RetrievalDep,
     response: Response,
     dims: DimsParam = None,
     k: KParam = None,
 ) -> RetrieveOut:
     """Top-k gallery photos for one sketch, sorted by score (descending)."""
-    dims, k = resolve_params(engine, settings, dims, k)
-    upload = upload_of(file, settings.max_upload_bytes)
-    hits = await run_retrieval(engine, slots, [upload], dims, k, response)
-    return RetrieveOut(dims=dims, k=k, results=hits_out(hits[0]))
+    dims, k = resolve_params(ctx.engine, ctx.settings, dims, k)
+    upload = upload_of(file, ctx.settings.max_upload_bytes)
+    hits = await run_retrieval(ctx, [upload], dims, k, response)
+    return RetrieveOut(dims=dims, k=k, results=hits_out(hits[0], ctx.keys))
 
 
 @router.post("/retrieve/batch", response_model=BatchOut, response_model_by_alias=True,
              responses=RETRIEVE_ERRORS)
+@policy(body=lambda s: s.max_body_bytes, admitted=True)
 async def retrieve_batch(
     files: Annotated[list[UploadFile], File(description="several sketches")],
-    engine: EngineDep,
-    settings: SettingsDep,
-    slots: SlotsDep,
+    ctx: RetrievalDep,
     response: Response,
     dims: DimsParam = None,
     k: KParam = None,
 ) -> BatchOut:
     """Top-k photos for each of several sketches, embedded as one batch."""
-    dims, k = resolve_params(engine, settings, dims, k)
-    if len(files) > settings.max_batch:
+    dims, k = resolve_params(ctx.engine, ctx.settings, dims, k)
+    if len(files) > ctx.settings.max_batch:
         raise HTTPException(413, f"{len(files)} files is over the batch limit of "
-                                 f"{settings.max_batch}")
-    uploads = [upload_of(f, settings.max_upload_bytes) for f in files]
-    hits = await run_retrieval(engine, slots, uploads, dims, k, response)
+                                 f"{ctx.settings.max_batch}")
+    uploads = [upload_of(f, ctx.settings.max_upload_bytes) for f in files]
+    hits = await run_retrieval(ctx, uploads, dims, k, response)
     return BatchOut(dims=dims, k=k, queries=[
-        QueryOut(filename=name, results=hits_out(h)) for (name, _), h in zip(uploads, hits,
-                                                                              strict=True)
+        QueryOut(filename=name, results=hits_out(h, ctx.keys))
+        for (name, _), h in zip(uploads, hits, strict=True)
     ])

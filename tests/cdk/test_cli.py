@@ -48,7 +48,7 @@ def sketchy_mini_module():
 
 def _args(root, split, out, cache, *extra):
     return ["--data", str(root), "--split", str(split), "--out", str(out),
-            "--cache-dir", str(cache), "--image-size", "32", "--L", "4", "--hidden", "16",
+            "--cache-dir", str(cache), "--image-size", "32", "--modes", "4", "--hidden", "16",
             "--batch-size", "6", "--epochs", "2", "--gallery-queries", "2",
             "--gallery-topk", "3", "--k", "2", *extra]
 
@@ -57,7 +57,13 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
     root, split = tiny
     out = tmp_path / "run"
     assert main(_args(root, split, out, tmp_path / "cache", "--method", "neuralsvd-jnt")) == 0
-    assert "mAP@all" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "mAP@all" in printed
+    # before the first step: the preset and why, and the run's estimated time
+    lines = printed.splitlines()
+    assert lines[0].startswith("preset cpu (no --preset given): the default")
+    assert lines[1].startswith("estimated time from here: ") and "steps x" in lines[1]
+    assert json.loads((out / "config.json").read_text())["modes"] == 4
     m = json.loads((out / "metrics.json").read_text())
     for key in ("map_all", "precision_at_k", "k", "map_by_dims", "singular_values"):
         assert key in m
@@ -97,9 +103,9 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
     ck = load_checkpoint(out / "checkpoint.pt")
     assert ck["epoch"] == 2 and ck["train_state"] is None and ck["trained"]
     # the preset's photos are mirror-averaged, its sketches (the queries) are not
-    assert ck["backbone"]["flip_average"] and not ck["backbone"]["sketch_flip_average"]
+    assert ck["backbone"]["photo_flip_average"] and not ck["backbone"]["sketch_flip_average"]
     e = Embedder.from_checkpoint(out / "checkpoint.pt", device="cpu")
-    assert e.photo_flip_average and not e.flip_average
+    assert e.photo_flip_average and not e.sketch_flip_average
     for classes, want in ((TEST, m), (VALID, v)):  # test numbers top level, valid in "valid"
         te = scan(root).restrict(list(classes))
         f = e.embed([load_image(p) for p in te.sketches], "sketch")
@@ -133,7 +139,7 @@ def test_cli_finetune_trains_separate_backbones(tiny, tmp_path):
     root, split = tiny
     out = tmp_path / "ft"
     main(_args(root, split, out, tmp_path / "cache", "--finetune", "true",
-               "--flip-average", "false", "--raw-dims", "0", "--epochs", "1",
+               "--photo-flip-average", "false", "--raw-dims", "0", "--epochs", "1",
                "--backbone-lr", "0.01"))
     ck = load_checkpoint(out / "checkpoint.pt")
     assert ck["backbone"]["finetuned"]
@@ -165,3 +171,28 @@ def test_cli_without_validation_classes_writes_valid_null(tiny, tmp_path):
     m = json.loads((out / "metrics.json").read_text())
     assert m["valid"] is None and m["split"]["valid_classes"] == 0
     assert m["split"]["train_classes"] == 4 and 0 <= m["map_all"] <= 1
+
+
+def test_cli_paper_preset_says_it_does_not_fit_and_writes_its_config(tiny, tmp_path, capsys):
+    # the paper's batch of 4096 on the tiny set's 9 training sketches: one step an epoch
+    import torchvision
+
+    torch.manual_seed(0)
+    trunk = torchvision.models.vgg.make_layers(torchvision.models.vgg.cfgs["D"])
+    weights = tmp_path / "vgg16.pth"
+    torch.save({f"features.{k}": v for k, v in trunk.state_dict().items()}, weights)
+    root, split = tiny
+    out = tmp_path / "paper"
+    main(["--data", str(root), "--split", str(split), "--out", str(out), "--cache-dir",
+          str(tmp_path / "cache"), "--preset", "paper", "--backbone-weights", str(weights),
+          "--image-size", "32", "--modes", "8", "--hidden", "16"])
+    printed = capsys.readouterr()
+    assert printed.out.startswith("preset paper (chosen): the paper's setting")
+    [warning] = [line for line in printed.err.splitlines() if "WARNING" in line]
+    assert "preset paper (batch 4096, 10 epochs) does not fit these data" in warning
+    assert "10 in all" in warning
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["preset"], cfg["smooth_k"], cfg["batch_size"], cfg["backbone"]) == (
+        "paper", 0, 4096, "vgg16")
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["smoothed"] is None and m["config"] == cfg

@@ -1,5 +1,6 @@
 """training.cdk.config: Config() is the cpu preset, presets are differences from it, the
-command line follows training.cli, and older checkpoints' configs still load."""
+paper preset is the paper's setting alone, the command line follows training.cli, and a
+config of other code is refused."""
 
 import dataclasses
 
@@ -28,7 +29,7 @@ def test_defaults_are_the_cpu_preset():
     assert make_config("cpu") == native
     assert make_config() == native and Config().preset == "cpu"
     c = Config()
-    assert (c.L, c.hidden, c.batch_size, c.epochs, c.lr, c.k) == (256, 1024, 512, 200, 0.05, 10)
+    assert (c.modes, c.hidden, c.batch_size, c.epochs, c.lr, c.k) == (256, 1024, 512, 200, 0.05, 10)
     assert (c.backbone, c.image_size, c.weight_decay) == ("efficientnet-lite1", 0, 5e-3)
     assert (c.method, c.nesting_weights, c.mu, c.grad_clip) == ("neuralsvd-jnt", "harmonic",
                                                                 16.0, 1.0)
@@ -45,11 +46,29 @@ def test_presets_name_only_existing_fields():
 
 def test_paper_preset():
     p = make_config("paper")
-    assert (p.L, p.hidden, p.batch_size, p.epochs, p.lr, p.mu, p.momentum, p.k) == \
+    assert (p.modes, p.hidden, p.batch_size, p.epochs, p.lr, p.mu, p.momentum, p.k) == \
         (512, 8192, 4096, 10, 5e-3, 16.0, 0.9, 100)
     assert p.nesting_weights == "uniform" and p.grad_clip > 0 and p.preset == "paper"
     for method in ("neuralsvd-seq", "lora"):  # the paper's lr for every method
         assert make_config("paper", method=method).lr == 5e-3
+    # the paper's setting and nothing else: pretrained VGG16 features as the heads' input,
+    # none of the product's additions
+    assert (p.backbone, p.finetune, p.pooling, p.weight_decay, p.momentum) == (
+        "vgg16", False, "avg", 0.0, 0.9)
+    assert (p.smooth_k, p.raw_dims, p.input_dropout) == (0, 0, 0.0)
+    assert not (p.unit_embeddings or p.sort_modes or p.photo_flip_average
+                or p.sketch_flip_average)
+
+
+def test_a_preset_that_does_not_fit_the_data_is_named():
+    from training.cdk.config import fit_warnings
+
+    # sketchy-mini split 2: 2,350 training sketches
+    [line] = fit_warnings(make_config("paper"), 2350)
+    assert "preset paper (batch 4096, 10 epochs) does not fit these data" in line
+    assert "1 step(s) an epoch, 10 in all" in line and "--preset cpu" in line
+    assert fit_warnings(make_config("cpu"), 2350) == []  # 4 steps an epoch, 800 in all
+    assert fit_warnings(make_config("paper"), 60_000) == []  # full Sketchy: 140 steps
 
 
 def test_method_values_of_the_cpu_preset():
@@ -76,11 +95,11 @@ def test_make_config_rejects_unknown_fields_and_wrong_types():
 
 def test_cli_parsing_rules(data_dir):
     cfg = parse_args(["--data", "d", "--preset", "paper", "--seed", "3"])
-    assert (cfg.L, cfg.hidden, cfg.batch_size, cfg.epochs, cfg.lr, cfg.mu) == \
+    assert (cfg.modes, cfg.hidden, cfg.batch_size, cfg.epochs, cfg.lr, cfg.mu) == \
         (512, 8192, 4096, 10, 5e-3, 16.0)
     assert cfg.momentum == 0.9 and cfg.grad_clip > 0 and cfg.seed == 3 and cfg.k == 100
     # fine-tuning takes no mirror-averaged features and no raw coordinates
-    flip = ["--flip-average", "false", "--raw-dims", "0"]
+    flip = ["--photo-flip-average", "false", "--raw-dims", "0"]
     assert parse_args(["--data", "d", "--finetune", "true", *flip]).finetune is True
     assert parse_args(["--data", "d", "--finetune", *flip]).finetune is True
     assert parse_args(["--data", "d", "--batch-size", "64", "--backbone-lr", "0.01",
@@ -89,7 +108,8 @@ def test_cli_parsing_rules(data_dir):
     for bad in (["--data", "d", "--nosuchflag", "1"], ["--data", "d", "--method", "pca"],
                 ["--data", "d", "--preset", "gpu"], ["--data", "d", "--epochs", "two"],
                 ["--data", "d", "--backbone", "resnet"], ["--split", "sketchy2"],
-                ["--data", "d", "--L", "0"], ["--data", "nodir"],
+                ["--data", "d", "--modes", "0"], ["--data", "nodir"],
+                ["--data", "d", "--L", "8"],  # the number of modes is --modes
                 ["--data", "d", "--split", "sketchy3"],
                 ["--data", "d", "--batch_size", "64"],  # the old underscore flags are gone
                 ["--data", "d", "--nesting-weights", "linear"],
@@ -113,19 +133,16 @@ def test_help_lists_every_field(capsys):
     out = capsys.readouterr().out
     for f in dataclasses.fields(Config):
         assert "--" + f.name.replace("_", "-") in out
-    assert "default: 256" in out and "paper: L=512" in out
+    assert "default: 256" in out and "paper: modes=512" in out
 
 
-def test_from_dict_loads_older_checkpoints():
+def test_from_dict_round_trips_and_refuses_configs_of_other_code():
     cfg = make_config("paper", method="lora", seed=2)
     assert from_dict(to_dict(cfg)) == cfg
-    # A checkpoint written before nesting_weights existed was trained with uniform weights
-    # (today's default is the cpu preset's harmonic); keys that are no field are ignored.
-    old = {k: v for k, v in to_dict(make_config(nesting_weights="uniform")).items()
-           if k not in ("nesting_weights", "pairing")}
-    loaded = from_dict({**old, "untrained": True})
-    assert loaded.nesting_weights == "uniform" and loaded.pairing == "class"
-    assert loaded == make_config(nesting_weights="uniform")
+    assert from_dict({**to_dict(cfg), "untrained": True}) == cfg  # extra keys: ignored
+    old = {k: v for k, v in to_dict(cfg).items() if k != "modes"}
+    with pytest.raises(ValueError, match=r"ck.pt lacks the config fields \['modes'\].*retrain"):
+        from_dict({**old, "L": 512}, "ck.pt")
 
 
 def test_input_dropout_values():
@@ -134,42 +151,31 @@ def test_input_dropout_values():
     for bad in (-0.1, 1.0, 1.5):
         with pytest.raises(ValueError, match="input_dropout must be in"):
             make_config(input_dropout=bad)
-    # heads of checkpoints written before the field existed were trained without it
-    old = {k: v for k, v in to_dict(make_config()).items() if k != "input_dropout"}
-    assert from_dict(old).input_dropout == 0.0
 
 
-def test_sketch_mirror_averaging_is_a_choice_on_top_of_the_photos():
-    from training.cdk.config import sketch_flip_average
-
-    assert not sketch_flip_average(Config()) and Config().flip_average
-    assert sketch_flip_average(make_config(flip_average_sketches=True))
-    with pytest.raises(ValueError, match="needs --flip-average true"):
-        make_config(flip_average=False, flip_average_sketches=True)
-    # checkpoints of earlier code averaged sketches whenever they averaged photos
-    old = {k: v for k, v in to_dict(make_config()).items() if k != "flip_average_sketches"}
-    assert sketch_flip_average(from_dict(old))
+def test_mirror_averaging_is_chosen_per_modality():
+    assert Config().photo_flip_average and not Config().sketch_flip_average
+    both = make_config(sketch_flip_average=True)
+    assert both.photo_flip_average and both.sketch_flip_average
+    sketches = make_config(photo_flip_average=False, sketch_flip_average=True)
+    assert not sketches.photo_flip_average and sketches.sketch_flip_average
+    with pytest.raises(ValueError, match="sketch_flip_average applies to frozen backbones"):
+        make_config(finetune=True, photo_flip_average=False, sketch_flip_average=True,
+                    raw_dims=0)
 
 
 def test_unit_embeddings_values():
     assert Config().unit_embeddings is True and make_config("paper").unit_embeddings is False
     assert make_config(unit_embeddings=False, raw_dims=0).unit_embeddings is False
-    # checkpoints of earlier code used the heads' outputs as they are
-    old = {k: v for k, v in to_dict(make_config()).items()
-           if k not in ("unit_embeddings", "raw_dims")}
-    assert from_dict(old).unit_embeddings is False
 
 
 def test_raw_coordinates_values():
     assert Config().raw_dims == 256 and Config().raw_weight == 1.0
     assert make_config("paper").raw_dims == 0
-    old = {k: v for k, v in to_dict(make_config()).items()
-           if k not in ("unit_embeddings", "raw_dims", "raw_weight")}
-    assert from_dict(old).raw_dims == 0  # checkpoints of earlier code had none
     with pytest.raises(ValueError, match="needs --unit-embeddings true"):
         make_config(unit_embeddings=False)
     with pytest.raises(ValueError, match="raw_dims applies to frozen backbones"):
-        make_config(finetune=True, flip_average=False)
+        make_config(finetune=True, photo_flip_average=False)
     with pytest.raises(ValueError, match="raw_weight must be positive"):
         make_config(raw_weight=0.0)
     with pytest.raises(ValueError, match="raw_dims must be >= 0"):

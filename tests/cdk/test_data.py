@@ -278,3 +278,35 @@ def test_sketchy2_on_sketchy_mini(sketchy_mini):
     assert split_classes("sketchy1", list(ds.classes))["valid"] == [
         "bear", "geyser", "guitar", "hamburger", "jack-o-lantern", "mushroom", "pear", "racket",
         "saw", "saxophone", "spoon", "trumpet"]
+
+
+def test_instance_pairing_on_sketchy_minis_real_pairs(sketchy_mini):
+    """Split 2's training classes of sketchy-mini: some photos have no sketch, so the
+    photos some sketch was drawn from stop short of the last photo. The joint moment and
+    the held-out halves must take every photo, against a brute-force mean over the pairs."""
+    ds = scan(sketchy_mini)
+    tr = ds.restrict(split_classes("sketchy2", list(ds.classes))["train"])
+    photo_of = tr.instance_pairs()
+    assert int(photo_of.max()) + 1 < len(tr.photos)  # the case that once failed
+    for s, j in zip(tr.sketches, photo_of, strict=True):
+        assert tr.photos[j].stem == s.stem.rsplit("-", 1)[0]
+    sampler = PairSampler(tr.sketch_labels, tr.photo_labels, "instance", photo_of)
+    g = torch.Generator().manual_seed(0)
+    f = torch.randn(len(tr.sketches), 3, generator=g)
+    gp = torch.randn(len(tr.photos), 3, generator=g)
+    want = (f.double() * gp.double()[torch.as_tensor(photo_of)]).mean(0)
+    torch.testing.assert_close(sampler.joint_moment(f, gp), want)
+    # a subset of photos that includes the last one: only the sketches of those photos count
+    photos = torch.arange(len(tr.photos) - 300, len(tr.photos))
+    keep = np.isin(photo_of, photos.numpy())
+    rows = {int(p): i for i, p in enumerate(photos)}
+    sub = gp[photos]
+    want = torch.stack([f[i].double() * sub[rows[int(photo_of[i])]].double()
+                        for i in np.flatnonzero(keep)]).mean(0)
+    torch.testing.assert_close(sampler.joint_moment(f, sub, None, photos), want)
+    halves = sampler.halves()
+    assert sum(len(s) for s, _ in halves) == len(tr.sketches)  # every sketch has its photo
+    for s_pos, p_pos in halves:  # each half keeps its pairs
+        assert set(photo_of[s_pos.numpy()].tolist()) <= set(p_pos.tolist())
+    for s, p in sampler.epoch(0, 0, 512):
+        assert torch.equal(p, torch.as_tensor(photo_of)[s])

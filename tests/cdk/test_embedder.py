@@ -12,8 +12,8 @@ from training.cdk.model.heads import retrieval_embedding
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     # 8 modes, then 8 raw coordinates: embeddings 16 wide
-    return init_checkpoint(tmp_path_factory.mktemp("ck") / "c.pt", L=8, hidden=16, image_size=64,
-                           raw_dims=8)
+    return init_checkpoint(tmp_path_factory.mktemp("ck") / "c.pt", modes=8, hidden=16,
+                           image_size=64, raw_dims=8)
 
 
 def _images():
@@ -58,7 +58,7 @@ def test_transparent_sketch_is_white(ckpt):
 def test_frozen_backbone_stored_once_and_same_seed_same_heads(ckpt, tmp_path):
     obj = load_checkpoint(ckpt)
     assert obj["backbones"]["sketch"] is obj["backbones"]["photo"]
-    other = init_checkpoint(tmp_path / "d.pt", L=8, hidden=16, image_size=64)
+    other = init_checkpoint(tmp_path / "d.pt", modes=8, hidden=16, image_size=64)
     o2 = load_checkpoint(other)
     for k, v in obj["heads"]["sketch"].items():
         torch.testing.assert_close(v, o2["heads"]["sketch"][k])
@@ -76,7 +76,7 @@ def test_not_a_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="y.pt"):
         Embedder.from_checkpoint(junk)
     with pytest.raises(ValueError, match="modality"):
-        Embedder.from_checkpoint(init_checkpoint(tmp_path / "z.pt", L=4, hidden=8)).embed(
+        Embedder.from_checkpoint(init_checkpoint(tmp_path / "z.pt", modes=4, hidden=8)).embed(
             _images(), "drawing")
 
 
@@ -84,7 +84,7 @@ def test_not_a_checkpoint_is_a_clear_error(tmp_path):
 def test_crafted_checkpoint_is_refused_without_running_code(tmp_path):
     marker = tmp_path / "ran"
     bad = crafted_checkpoint(tmp_path / "evil.pt", marker, {"format": "sketchsvd-cdk",
-                                                            "version": 1})
+                                                            "version": 2})
     with pytest.raises(ValueError, match="evil.pt' is not a sketchsvd CDK checkpoint"):
         Embedder.from_checkpoint(bad)
     assert not marker.exists()
@@ -116,7 +116,7 @@ def test_hash_is_of_the_bytes_loaded_even_if_the_file_is_replaced_meanwhile(ckpt
 
     path = shutil.copy(ckpt, tmp_path / "c.pt")
     loaded = path.read_bytes()
-    other = init_checkpoint(tmp_path / "other.pt", L=8, hidden=16, image_size=64, seed=3)
+    other = init_checkpoint(tmp_path / "other.pt", modes=8, hidden=16, image_size=64, seed=3)
     real_load = torch.load
 
     def load_then_replace(*args, **kwargs):
@@ -131,32 +131,47 @@ def test_hash_is_of_the_bytes_loaded_even_if_the_file_is_replaced_meanwhile(ckpt
 
 
 def test_a_mirrored_image_embeds_as_the_image(ckpt, tmp_path):
-    # the cpu preset averages backbone features over the mirror image, and the checkpoint
-    # says so; a checkpoint without the key (earlier code) embeds the image alone
+    # init_checkpoint averages backbone features over the mirror image (both modalities),
+    # and the checkpoint says so
     e = Embedder.from_checkpoint(ckpt, device="cpu")
-    assert e.flip_average
+    assert e.sketch_flip_average and e.photo_flip_average
     ims = _images()
     mirrored = [im.transpose(Image.Transpose.FLIP_LEFT_RIGHT) for im in ims]
     for mod in ("sketch", "photo"):
         np.testing.assert_allclose(e.embed(mirrored, mod), e.embed(ims, mod), rtol=1e-4,
                                    atol=1e-5)
+    # a checkpoint without mirror averaging embeds the image alone
+    plain = init_checkpoint(tmp_path / "plain.pt", modes=8, hidden=16, image_size=64,
+                            raw_dims=8, photo_flip_average=False)
+    e_plain = Embedder.from_checkpoint(plain, device="cpu")
+    assert not e_plain.sketch_flip_average and not e_plain.photo_flip_average
+    assert not np.allclose(e_plain.embed(mirrored, "photo"), e_plain.embed(ims, "photo"),
+                           atol=1e-3)
+
+
+def test_a_checkpoint_of_other_code_is_refused_with_the_fix(ckpt, tmp_path):
     old = load_checkpoint(ckpt)
-    del old["backbone"]["flip_average"], old["backbone"]["sketch_flip_average"]
+    old["version"] = 1
     torch.save(old, tmp_path / "old.pt")
-    e_old = Embedder.from_checkpoint(tmp_path / "old.pt", device="cpu")
-    assert not e_old.flip_average and not e_old.photo_flip_average
-    assert not np.allclose(e_old.embed(mirrored, "photo"), e_old.embed(ims, "photo"), atol=1e-3)
+    with pytest.raises(ValueError, match=r"old.pt' has checkpoint version 1.*retrain it"):
+        Embedder.from_checkpoint(tmp_path / "old.pt")
+    same = load_checkpoint(ckpt)
+    del same["config"]["modes"]  # the right version with a config of other code
+    torch.save(same, tmp_path / "odd.pt")
+    with pytest.raises(ValueError, match=r"odd.pt lacks the config fields \['modes'\].*retrain"):
+        Embedder.from_checkpoint(tmp_path / "odd.pt")
 
 
 def test_photos_mirror_averaged_sketches_alone(tmp_path):
     # the cpu preset averages photos over the mirror image and embeds sketches alone (one
     # backbone pass a query); both modalities share one trunk in the checkpoint
-    path = init_checkpoint(tmp_path / "c.pt", L=8, hidden=16, image_size=64,
-                           flip_average_sketches=False)
+    path = init_checkpoint(tmp_path / "c.pt", modes=8, hidden=16, image_size=64,
+                           sketch_flip_average=False)
     meta = load_checkpoint(path)["backbone"]
-    assert meta["flip_average"] and not meta["sketch_flip_average"]
+    assert meta["photo_flip_average"] and not meta["sketch_flip_average"]
     e = Embedder.from_checkpoint(path, device="cpu")
-    assert e.photo_flip_average and not e.flip_average and not e.trained_flip_average
+    assert e.photo_flip_average and not e.sketch_flip_average
+    assert not e.trained_sketch_flip_average
     ims = _images()
     mirrored = [im.transpose(Image.Transpose.FLIP_LEFT_RIGHT) for im in ims]
     np.testing.assert_allclose(e.embed(mirrored, "photo"), e.embed(ims, "photo"), rtol=1e-4,
@@ -171,31 +186,30 @@ def test_photos_mirror_averaged_sketches_alone(tmp_path):
     torch.testing.assert_close(e.backbone_features(x, "sketch"), both[: len(ims)])
     torch.testing.assert_close(e.backbone_features(x, "photo"),
                                0.5 * (both[: len(ims)] + both[len(ims):]))
-    # a checkpoint of earlier code (no sketch key) averaged sketches as it did photos
-    old = load_checkpoint(path)
-    del old["backbone"]["sketch_flip_average"]
-    torch.save(old, tmp_path / "old.pt")
-    assert Embedder.from_checkpoint(tmp_path / "old.pt", device="cpu").flip_average
+    # a checkpoint that mirror-averages its sketches queries them so, unless told not to
+    path = init_checkpoint(tmp_path / "both.pt", modes=8, hidden=16, image_size=64)
+    assert Embedder.from_checkpoint(path, device="cpu").sketch_flip_average
+    single = Embedder.from_checkpoint(path, device="cpu", sketch_flip_average=False)
+    assert not single.sketch_flip_average and single.trained_sketch_flip_average
 
 
 def test_the_checkpoint_says_how_the_backbone_pools(ckpt, tmp_path):
     # the cpu preset pools the trunk's maps by generalised mean, and the embedder follows the
-    # checkpoint; one without the key (earlier code) was trained on average-pooled features
+    # checkpoint; one with average pooling (the same seeded heads) pools by the mean
     from training.cdk.model.backbones import global_pool
 
     e = Embedder.from_checkpoint(ckpt, device="cpu")
     assert e.pooling == "gem" and load_checkpoint(ckpt)["backbone"]["pooling"] == "gem"
-    old = load_checkpoint(ckpt)
-    del old["backbone"]["pooling"]
-    torch.save(old, tmp_path / "old.pt")
-    e_old = Embedder.from_checkpoint(tmp_path / "old.pt", device="cpu")
-    assert e_old.pooling == "avg"
+    avg = init_checkpoint(tmp_path / "avg.pt", modes=8, hidden=16, image_size=64, raw_dims=8,
+                          pooling="avg")
+    e_avg = Embedder.from_checkpoint(avg, device="cpu")
+    assert e_avg.pooling == "avg"
     ims = _images()
     x = e.preprocess(ims, "photo")
-    bb, head = e.modules("photo")
     with torch.no_grad():
-        maps = torch.cat([bb.trunk(x), bb.trunk(x.flip(3))])  # mirror averaging, as trained
-        for emb, pooling in ((e, "gem"), (e_old, "avg")):
+        for emb, pooling in ((e, "gem"), (e_avg, "avg")):
+            bb, head = emb.modules("photo")
+            maps = torch.cat([bb.trunk(x), bb.trunk(x.flip(3))])  # mirror averaging, as trained
             feats = global_pool(maps, pooling).unflatten(0, (2, -1)).mean(0)
             want = torch.cat([retrieval_embedding(head(feats), emb.unit_embeddings),
                               emb.raw_projection("photo")(feats)], 1)
@@ -205,20 +219,19 @@ def test_the_checkpoint_says_how_the_backbone_pools(ckpt, tmp_path):
 
 def test_unit_embeddings_scale_the_heads_outputs_to_length_one(ckpt, tmp_path):
     # the cpu preset's checkpoints embed on the unit sphere; the heads' raw outputs (the
-    # learned functions) are what modules() returns; checkpoints of earlier code lack the
-    # key and embed the raw outputs, as that code did
+    # learned functions) are what modules() returns; a checkpoint without unit embeddings
+    # (the paper preset) embeds the raw outputs
     e = Embedder.from_checkpoint(ckpt, device="cpu")
     assert e.unit_embeddings and load_checkpoint(ckpt)["config"]["unit_embeddings"] is True
-    old = load_checkpoint(ckpt)
-    for key in ("unit_embeddings", "raw_dims", "raw_weight"):  # fields of later code
-        del old["config"][key]
-    del old["raw"]
-    torch.save(old, tmp_path / "old.pt")
-    e_old = Embedder.from_checkpoint(tmp_path / "old.pt", device="cpu")
-    assert not e_old.unit_embeddings and e_old.raw_dims == 0 and e_old.width == e_old.modes == 8
+    plain = load_checkpoint(ckpt)
+    plain["config"].update(unit_embeddings=False, raw_dims=0)
+    plain["raw"] = None
+    torch.save(plain, tmp_path / "plain.pt")
+    e_raw = Embedder.from_checkpoint(tmp_path / "plain.pt", device="cpu")
+    assert not e_raw.unit_embeddings and e_raw.raw_dims == 0 and e_raw.width == e_raw.modes == 8
     ims = _images()
     for modality in ("sketch", "photo"):
-        raw = e_old.embed(ims, modality)
+        raw = e_raw.embed(ims, modality)
         z = e.embed(ims, modality)[:, : e.modes]
         np.testing.assert_allclose(np.linalg.norm(z, axis=1), 1.0, rtol=1e-5)
         assert np.abs(np.linalg.norm(raw, axis=1) - 1).max() > 1e-2  # the raw ones are not
@@ -252,7 +265,7 @@ def test_raw_coordinates_follow_the_modes(ckpt, tmp_path):
         np.testing.assert_allclose(np.linalg.norm(z[:, :8], axis=1), 1.0, rtol=1e-5)
     # a config asking for raw coordinates without the projection is refused, naming the file
     broken = load_checkpoint(ckpt)
-    del broken["raw"]
+    broken["raw"] = None
     torch.save(broken, tmp_path / "broken.pt")
     with pytest.raises(ValueError, match="broken.pt.*raw coordinates"):
         Embedder.from_checkpoint(tmp_path / "broken.pt", device="cpu")

@@ -1,6 +1,7 @@
-"""Fine-tuning path of training.cdk.train: stage splits, BatchNorm policy, frozen trunk and
-its cache, images checked up front, seeded augmentation independent of the worker count,
-head-only phase, resume, the Embedder on fine-tuned checkpoints, and the paper preset."""
+"""Fine-tuning path of training.cdk.train: stage splits, frozen BatchNorm statistics, frozen
+trunk and its cache, images checked up front, seeded augmentation independent of the worker
+count, the stored spectrum, resume, the Embedder on fine-tuned checkpoints, and the paper
+preset (frozen VGG16 features) with VGG16 fine-tuned beside it."""
 
 import copy
 
@@ -16,8 +17,9 @@ from training.cdk import train as train_mod
 from training.cdk.config import make_config
 from training.cdk.data import scan
 from training.cdk.features import extract_features
-from training.cdk.finetune import STAGES, Split, StepImages
-from training.cdk.model.backbones import NATIVE_SIZE, bare_backbone, build_backbone
+from training.cdk.finetune import Split, StepImages
+from training.cdk.inputs import ImageInputs, PairModel
+from training.cdk.model.backbones import BACKBONES, bare_backbone, build_backbone
 from training.cdk.model.checkpoint import load_checkpoint
 from training.cdk.model.embedder import Embedder
 from training.cdk.model.heads import MODALITIES, Head, retrieval_embedding
@@ -64,8 +66,8 @@ def _data(ds, bb, size=SIZE):
 
 
 def _cfg(tmp_path, **kw):
-    base = dict(L=4, hidden=16, batch_size=4, epochs=2, lr=0.05, backbone_lr=0.01,
-                image_size=SIZE, finetune=True, flip_average=False, raw_dims=0,
+    base = dict(modes=4, hidden=16, batch_size=4, epochs=2, lr=0.05, backbone_lr=0.01,
+                image_size=SIZE, finetune=True, photo_flip_average=False, raw_dims=0,
                 out=str(tmp_path),
                 cache_dir=str(tmp_path / "cache"))
     return make_config("cpu", **{**base, **kw})
@@ -83,23 +85,23 @@ def test_split_tail_of_trunk_is_the_backbone(name):
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         ref = module(x)
-        for K in sorted({0, 1, 2, STAGES[name]}):
+        count = BACKBONES[name].stage_count
+        for K in sorted({0, 1, 2, count}):
             s = Split(module, name, K)
             torch.testing.assert_close(s.tail(s.trunk(x)), ref)
+    assert len(BACKBONES[name].stages(module.trunk).blocks) == count
     with pytest.raises(ValueError, match="trainable_stages"):
-        Split(module, name, STAGES[name] + 1)
+        Split(module, name, count + 1)
 
 
 def test_native_sizes_resolve_and_bad_values_are_named():
     assert make_config("cpu", backbone="efficientnet-lite2", image_size=0).image_size == 260
     assert make_config("cpu", backbone="efficientnet-lite1", image_size=0).image_size == 240
-    assert NATIVE_SIZE["vgg16"] == make_config("cpu", backbone="vgg16",
-                                               image_size=0).image_size == 224
-    with pytest.raises(ValueError, match="bn"):
-        make_config("cpu", bn="batch")
+    assert BACKBONES["vgg16"].native_size == make_config("cpu", backbone="vgg16",
+                                                         image_size=0).image_size == 224
     with pytest.raises(ValueError, match="trainable_stages"):
-        make_config("cpu", backbone="efficientnet-lite0", finetune=True, flip_average=False,
-                    raw_dims=0, trainable_stages=17)
+        make_config("cpu", backbone="efficientnet-lite0", finetune=True,
+                    photo_flip_average=False, raw_dims=0, trainable_stages=17)
     with pytest.raises(ValueError, match="workers"):
         make_config("cpu", workers=-1)
 
@@ -119,13 +121,6 @@ def test_frozen_bn_keeps_pretrained_statistics_and_trunk_stays_fixed(dataset, li
         assert not torch.equal(sd["trunk.net._conv_head.weight"],
                                params0["trunk.net._conv_head.weight"])
     assert res.backbones["sketch"] is not res.backbones["photo"]
-    # under bn=train the trainable stages' statistics move, the trunk's do not
-    res = train_mod.train(_cfg(tmp_path / "t", trainable_stages=2, bn="train", epochs=1),
-                          _data(dataset, lite0), lite0, tmp_path / "t")
-    after = _bn_stats(res.backbones["sketch"])
-    assert not torch.equal(after["trunk.net._bn1.running_mean"],
-                           before["trunk.net._bn1.running_mean"])
-    assert torch.equal(after["trunk.net._bn0.running_mean"], before["trunk.net._bn0.running_mean"])
 
 
 def test_truncated_image_stops_before_any_step(tmp_path, lite0, monkeypatch):
@@ -169,17 +164,18 @@ def test_spectrum_features_decoded_by_workers_equal_the_main_thread(dataset, lit
     data = _data(dataset, lite0)
     splits = {m: Split(copy.deepcopy(lite0.module), lite0.name, 1) for m in MODALITIES}
     heads = {m: Head(lite0.feature_dim, 16, 4, 16.0) for m in MODALITIES}
-    model = train_mod.PairModel(heads, {m: s.module for m, s in splits.items()}, splits).eval()
+    model = PairModel(heads, {m: s.module for m, s in splits.items()}, splits).eval()
     idx = [5, 0, 3]
+    both = {"sketch": data.sketch_files, "photo": data.photo_files}
     for workers in (0, 2):
-        cfg = _cfg(tmp_path, trainable_stages=1, augment=True, workers=workers)
-        inputs = train_mod._Inputs(cfg, data, lite0, splits, torch.device("cpu"))
+        inputs = ImageInputs(both, lite0, model, SIZE, True, 0, workers, None,
+                             torch.device("cpu"))
         for mod, files in (("sketch", dataset.sketches), ("photo", dataset.photos)):
             x = images_to_tensor([load_image(files[j]) for j in idx], SIZE, lite0.mean,
                                  lite0.std)
             with torch.no_grad():
                 ref = splits[mod].tail(splits[mod].trunk(x))
-            torch.testing.assert_close(inputs.features(model, mod, idx), ref, rtol=0, atol=0)
+            torch.testing.assert_close(inputs.features(mod, idx), ref, rtol=0, atol=0)
 
 
 def test_trunk_cache_equals_trunk_at_every_step(dataset, lite0, tmp_path, monkeypatch):
@@ -187,13 +183,13 @@ def test_trunk_cache_equals_trunk_at_every_step(dataset, lite0, tmp_path, monkey
     cached = train_mod.train(_cfg(tmp_path / "c", trainable_stages=3), data, lite0,
                              tmp_path / "c")
 
-    class NoCache(train_mod._Inputs):
-        def __init__(self, *a):
-            super().__init__(*a)
+    class NoCache(ImageInputs):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
             assert self.cache is not None
             self.cache = None
 
-    monkeypatch.setattr(train_mod, "_Inputs", NoCache)
+    monkeypatch.setattr(train_mod, "ImageInputs", NoCache)
     direct = train_mod.train(_cfg(tmp_path / "d", trainable_stages=3), data, lite0,
                              tmp_path / "d")
     for m in ("sketch", "photo"):
@@ -226,19 +222,15 @@ def test_trunk_activations_are_cached_on_disk(dataset, lite0, tmp_path, monkeypa
     torch.testing.assert_close(first, direct, rtol=1e-4, atol=1e-5)
 
 
-def test_head_phase_trains_heads_only_and_stores_the_final_spectrum(dataset, lite0, tmp_path):
-    data = _data(dataset, lite0)
-    base = train_mod.train(_cfg(tmp_path / "a", trainable_stages=1), data, lite0, tmp_path / "a")
-    res = train_mod.train(_cfg(tmp_path / "b", trainable_stages=1, head_epochs=2, head_lr=0.02),
-                          data, lite0, tmp_path / "b")
-    for m in ("sketch", "photo"):
-        for k, v in base.backbones[m].state_dict().items():
-            torch.testing.assert_close(res.backbones[m].state_dict()[k], v, rtol=0, atol=0)
-    assert not torch.equal(base.heads["sketch"].mlp[0].weight, res.heads["sketch"].mlp[0].weight)
-    ck = load_checkpoint(tmp_path / "b" / "checkpoint.pt")
-    assert ck["epoch"] == 4 and [h["phase"] for h in ck["history"]] == ["all"] * 2 + ["heads"] * 2
-    # the stored spectrum over every training image: the CDK's Rayleigh quotients against
-    # the kernel written out as a matrix, and sqrt(E f_l^2 E g_l^2)
+def test_fine_tuned_run_stores_the_spectrum_of_its_final_backbones(dataset, lite0, tmp_path):
+    res = train_mod.train(_cfg(tmp_path, trainable_stages=1, sort_modes=False), _data(dataset,
+                                                                                     lite0),
+                          lite0, tmp_path)
+    ck = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert ck["epoch"] == 2 and len(ck["history"]) == 2
+    # the stored spectrum over every training image (8 < the 1024 of the subset): the CDK's
+    # Rayleigh quotients against the kernel written out as a matrix, and
+    # sqrt(E f_l^2 E g_l^2)
     f = embed_features(res.heads["sketch"], extract_features(
         dataset.sketches, lite0, SIZE, None, module=res.backbones["sketch"]), "cpu")
     g = embed_features(res.heads["photo"], extract_features(
@@ -250,9 +242,9 @@ def test_head_phase_trains_heads_only_and_stores_the_final_spectrum(dataset, lit
     torch.testing.assert_close(ck["singular_values_norm"], ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("cut", [1, 3])  # in the fine-tuning phase, in the head phase
+@pytest.mark.parametrize("cut", [1, 2])  # after the first epoch, after the second
 def test_resume_reproduces_the_uninterrupted_run(dataset, lite0, tmp_path, monkeypatch, cut):
-    kw = dict(trainable_stages=2, augment=True, head_epochs=2)
+    kw = dict(trainable_stages=2, augment=True, epochs=3)
     data = _data(dataset, lite0)
     full = train_mod.train(_cfg(tmp_path / "full", **kw), data, lite0, tmp_path / "full")
     real_save, calls = train_mod.save_checkpoint, []
@@ -275,11 +267,10 @@ def test_resume_reproduces_the_uninterrupted_run(dataset, lite0, tmp_path, monke
     torch.testing.assert_close(res.singular_values, full.singular_values, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_embedder_embeds_as_evaluation_does(dataset, lite0, tmp_path, shared):
-    res = train_mod.train(_cfg(tmp_path, trainable_stages=1, epochs=1, shared_backbone=shared),
+def test_embedder_embeds_as_evaluation_does(dataset, lite0, tmp_path):
+    res = train_mod.train(_cfg(tmp_path, trainable_stages=1, epochs=1),
                           _data(dataset, lite0), lite0, tmp_path)
-    assert (res.backbones["sketch"] is res.backbones["photo"]) == shared
+    assert res.backbones["sketch"] is not res.backbones["photo"]
     e = Embedder.from_checkpoint(tmp_path / "checkpoint.pt", device="cpu")
     assert e.image_size == SIZE
     for mod, files in (("sketch", dataset.sketches), ("photo", dataset.photos)):
@@ -292,46 +283,22 @@ def test_embedder_embeds_as_evaluation_does(dataset, lite0, tmp_path, shared):
         np.testing.assert_allclose(z, ref.numpy(), rtol=1e-4, atol=1e-5)
 
 
-def test_paper_preset_runs_the_finetuning_path_end_to_end(tmp_path):
+@pytest.mark.parametrize("finetune", [False, True])
+def test_paper_preset_and_vgg16_fine_tuned_end_to_end(tmp_path, finetune):
     torch.manual_seed(0)
     trunk = torchvision.models.vgg.make_layers(torchvision.models.vgg.cfgs["D"])
     weights = tmp_path / "vgg16.pth"
     torch.save({f"features.{k}": v for k, v in trunk.state_dict().items()}, weights)
     ds = scan(_write_dataset(tmp_path / "d", n=4))
-    cfg = make_config("paper", batch_size=8, epochs=1, image_size=SIZE, L=8, hidden=16,
-                      backbone_weights=str(weights), workers=0, out=str(tmp_path / "o"))
-    assert cfg.finetune and cfg.backbone == "vgg16" and cfg.trainable_stages == 0
-    assert cfg.pooling == "avg"  # the paper's pooled features
+    cfg = make_config("paper", batch_size=8, epochs=1, image_size=SIZE, modes=8, hidden=16,
+                      backbone_weights=str(weights), finetune=finetune, out=str(tmp_path / "o"))
+    assert cfg.backbone == "vgg16" and cfg.trainable_stages == 0
+    assert cfg.pooling == "avg" and cfg.smooth_k == 0  # the paper's pooled features, no smoothing
     bb = build_backbone(cfg.backbone, cfg.backbone_weights, pooling=cfg.pooling)
     train_mod.train(cfg, _data(ds, bb), bb, cfg.out, device="cpu")
     ck = load_checkpoint(tmp_path / "o" / "checkpoint.pt")
-    assert ck["epoch"] == 1 and ck["backbone"]["finetuned"] and ck["config"]["preset"] == "paper"
+    assert ck["epoch"] == 1 and ck["backbone"]["finetuned"] == finetune
+    assert ck["config"]["preset"] == "paper"
     e = Embedder.from_checkpoint(tmp_path / "o" / "checkpoint.pt", device="cpu")
     z = e.embed([Image.new("RGB", (40, 40), (200, 10, 10))], "photo")
     assert z.shape == (1, 8) and np.isfinite(z).all()
-
-
-def test_view_features_are_the_backbone_on_seeded_views_and_cached(dataset, lite0, tmp_path,
-                                                                   monkeypatch):
-    from training.cdk import views as views_mod
-
-    files = list(dataset.photos)
-    got = views_mod.view_features(files, 1, lite0, SIZE, 2, 0, tmp_path, batch_size=3,
-                                  device="cpu")
-    assert got.shape == (2, len(files), lite0.feature_dim)
-    images = StepImages(files, files, SIZE, lite0.mean, lite0.std, True, 0)
-    lite0.module.eval()
-    with torch.no_grad():
-        for v in range(2):
-            ref = lite0.module(torch.stack([images[(1, i, v)] for i in range(len(files))]))
-            torch.testing.assert_close(got[v], ref, rtol=1e-4, atol=1e-5)
-    plain = extract_features(files, lite0, SIZE, None, device="cpu")
-    assert not torch.allclose(got[0], plain, atol=1e-3)  # augmented, not the plain view
-    assert not torch.allclose(got[0], got[1], atol=1e-3)  # and the views differ
-
-    def no_pass(*a, **kw):
-        raise AssertionError("views recomputed although cached")
-
-    monkeypatch.setattr(views_mod.StepImages, "__getitem__", no_pass)
-    again = views_mod.view_features(files, 1, lite0, SIZE, 2, 0, tmp_path, device="cpu")
-    torch.testing.assert_close(again, got, rtol=0, atol=0)

@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_amp_training_on_cuda_matches_cpu_closely(tmp_path):
-    cfg = make_config("cpu", L=4, hidden=16, batch_size=8, epochs=3, lr=0.05, raw_dims=2,
+    cfg = make_config("cpu", modes=4, hidden=16, batch_size=8, epochs=3, lr=0.05, raw_dims=2,
                       out=str(tmp_path))
     gpu = train_mod.train(cfg, synthetic_data(), synthetic_backbone(), tmp_path / "gpu",
                           device="cuda")

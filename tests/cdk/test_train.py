@@ -1,5 +1,3 @@
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -7,6 +5,7 @@ import torch.multiprocessing as mp
 
 from training.cdk import train as train_mod
 from training.cdk.config import make_config
+from training.cdk.data import PairSampler
 from training.cdk.model.checkpoint import load_checkpoint
 from training.cdk.train import TrainData
 
@@ -15,7 +14,7 @@ from .ddp_worker import ddp_worker, synthetic_backbone, synthetic_data
 
 def _cfg(tmp_path, **kw):
     # raw_dims=2: the synthetic features are 4-6 wide
-    base = dict(L=4, hidden=16, batch_size=8, epochs=3, lr=0.05, raw_dims=2, out=str(tmp_path))
+    base = dict(modes=4, hidden=16, batch_size=8, epochs=3, lr=0.05, raw_dims=2, out=str(tmp_path))
     return make_config("cpu", **{**base, **kw})
 
 
@@ -106,54 +105,11 @@ def test_joint_nesting_recovers_exact_cdk_spectrum(tmp_path, weights):
     data, exact = _discrete_cdk_problem()
     # no weight decay: it shrinks the learned functions, so their norms would sit below the
     # exact singular values (the preset's decay is a regulariser for retrieval)
-    cfg = _cfg(tmp_path, L=2, hidden=32, batch_size=200, epochs=100, grad_clip=0.0,
+    cfg = _cfg(tmp_path, modes=2, hidden=32, batch_size=200, epochs=100, grad_clip=0.0,
                weight_decay=0.0, nesting_weights=weights)
     sv = train_mod.train(cfg, data, synthetic_backbone(4), tmp_path).singular_values
     np.testing.assert_allclose(sv.numpy(), exact[:2], atol=0.01)
     assert exact[0] - exact[1] > 0.1  # distinct modes, so the order is informative
-
-
-def _with_views(data, views_s, views_p):
-    return dataclasses.replace(data, sketch_views=views_s, photo_views=views_p)
-
-
-def test_feature_views_are_drawn_per_image_and_resume_exactly(tmp_path, monkeypatch):
-    data = synthetic_data()
-    cfg = _cfg(tmp_path, feature_views=2)
-    plain = train_mod.train(cfg, data, synthetic_backbone(), tmp_path / "plain")
-    # views identical to the plain features: whichever is drawn, the run is the plain run
-    same = _with_views(data, data.sketch_feats.repeat(2, 1, 1), data.photo_feats.repeat(2, 1, 1))
-    copy = train_mod.train(cfg, same, synthetic_backbone(), tmp_path / "copy")
-    torch.testing.assert_close(copy.singular_values, plain.singular_values, rtol=0, atol=0)
-    # real views change the run, and a resumed run draws the same views as an unbroken one
-    g = torch.Generator().manual_seed(1)
-    views = _with_views(data, data.sketch_feats + torch.randn(2, *data.sketch_feats.shape,
-                                                               generator=g),
-                        data.photo_feats + torch.randn(2, *data.photo_feats.shape, generator=g))
-    full = train_mod.train(cfg, views, synthetic_backbone(), tmp_path / "full")
-    assert not torch.allclose(full.singular_values, plain.singular_values)
-    real_save = train_mod.save_checkpoint
-
-    def crash_after_first(*a, **k):
-        real_save(*a, **k)
-        raise KeyboardInterrupt("simulated interruption")
-
-    monkeypatch.setattr(train_mod, "save_checkpoint", crash_after_first)
-    with pytest.raises(KeyboardInterrupt):
-        train_mod.train(cfg, views, synthetic_backbone(), tmp_path / "cut")
-    monkeypatch.setattr(train_mod, "save_checkpoint", real_save)
-    cut = train_mod.train(cfg, views, synthetic_backbone(), tmp_path / "cut")
-    for m in ("sketch", "photo"):
-        for k, v in full.heads[m].state_dict().items():
-            torch.testing.assert_close(cut.heads[m].state_dict()[k], v, rtol=0, atol=0)
-
-
-def test_feature_views_are_for_frozen_backbones():
-    with pytest.raises(ValueError, match="feature_views"):
-        make_config("cpu", finetune=True, flip_average=False, raw_dims=0,
-                    feature_views=2)
-    with pytest.raises(ValueError, match="feature_views"):
-        make_config("cpu", feature_views=-1)
 
 
 def test_input_dropout_scales_the_standardised_input():
@@ -227,8 +183,8 @@ def test_training_fits_and_stores_the_raw_projection(tmp_path):
 def test_sorted_modes_are_the_trained_ones_in_decreasing_singular_value(tmp_path):
     # L = 6 on 4 classes: the CDK has rank 3, so modes 4-6 sit near 0 in no fixed order
     data, bb = synthetic_data(), synthetic_backbone()
-    kept = train_mod.train(_cfg(tmp_path, L=6, sort_modes=False), data, bb, tmp_path / "kept")
-    done = train_mod.train(_cfg(tmp_path, L=6), data, bb, tmp_path / "sorted")
+    kept = train_mod.train(_cfg(tmp_path, modes=6, sort_modes=False), data, bb, tmp_path / "kept")
+    done = train_mod.train(_cfg(tmp_path, modes=6), data, bb, tmp_path / "sorted")
     perm = torch.tensor(done.history[-1]["sorted_from"])
     assert sorted(perm.tolist()) == list(range(6))
     assert "sorted_from" not in kept.history[-1]
@@ -250,7 +206,7 @@ def test_sorted_modes_are_the_trained_ones_in_decreasing_singular_value(tmp_path
     torch.testing.assert_close(ck["heads"]["photo"]["mlp.2.bias"],
                                kept.heads["photo"].mlp[2].bias.detach()[perm])
     # resuming the finished run reports the same
-    again = train_mod.train(_cfg(tmp_path, L=6), data, bb, tmp_path / "sorted")
+    again = train_mod.train(_cfg(tmp_path, modes=6), data, bb, tmp_path / "sorted")
     assert again.order_trained == done.order_trained
     assert again.history[-1]["sorted_from"] == perm.tolist()
 
@@ -265,3 +221,53 @@ def test_permute_modes_reorders_the_outputs():
         torch.testing.assert_close(head(x), before[:, [2, 0, 3, 1]])
     with pytest.raises(ValueError, match="permutation"):
         head.permute_modes(torch.tensor([0, 0, 1, 2]))
+
+
+def test_sampler_and_nesting_weights_are_passed_not_patched(tmp_path):
+    """What a benchmark varies goes in as arguments: nesting weights passed to a uniform
+    config train exactly as the config's harmonic ones, and a given sampler draws every
+    batch (and gives the joint moment of the spectrum)."""
+    data, bb = synthetic_data(), synthetic_backbone()
+    harmonic = train_mod.train(_cfg(tmp_path), data, bb, tmp_path / "h")
+    passed = train_mod.train(_cfg(tmp_path, nesting_weights="uniform"), data, bb, tmp_path / "w",
+                             weights=1.0 / torch.arange(1, 5, dtype=torch.float64))
+    for m in ("sketch", "photo"):
+        for k, v in harmonic.heads[m].state_dict().items():
+            torch.testing.assert_close(passed.heads[m].state_dict()[k], v, rtol=0, atol=0)
+
+    class Counting(PairSampler):
+        epochs, moments = [], 0
+
+        def epoch(self, seed, epoch, batch_size):
+            Counting.epochs.append(epoch)
+            yield from super().epoch(seed, epoch, batch_size)
+
+        def joint_moment(self, *a, **k):
+            Counting.moments += 1
+            return super().joint_moment(*a, **k)
+
+    sampler = Counting(data.sketch_labels, data.photo_labels)
+    own = train_mod.train(_cfg(tmp_path), data, bb, tmp_path / "s", sampler=sampler)
+    assert Counting.epochs == [0, 1, 2] and Counting.moments == 3 + 2  # + the held-out halves
+    torch.testing.assert_close(own.singular_values, harmonic.singular_values, rtol=0, atol=0)
+
+
+def test_time_estimate_comes_before_the_first_step_and_changes_nothing(tmp_path, monkeypatch):
+    data, bb = synthetic_data(), synthetic_backbone()
+    plain = train_mod.train(_cfg(tmp_path), data, bb, tmp_path / "a")
+    calls, steps = [], []
+    real = train_mod.Step.__call__
+
+    def spy(self, xs, ys):
+        steps.append(len(calls))
+        return real(self, xs, ys)
+
+    monkeypatch.setattr(train_mod.Step, "__call__", spy)
+    timed = train_mod.train(_cfg(tmp_path), data, bb, tmp_path / "b",
+                            estimate=lambda *a: calls.append(a))
+    (steps_left, step_s, epochs_left, spectrum_s), = calls
+    assert (steps_left, epochs_left) == (3 * (24 // 8), 3) and step_s > 0 and spectrum_s > 0
+    assert steps[:2] == [0, 0] and set(steps[2:]) == {1}  # two probe steps, then the run's
+    for m in ("sketch", "photo"):  # the probe ran on a copy: the run is the same
+        for k, v in plain.heads[m].state_dict().items():
+            torch.testing.assert_close(timed.heads[m].state_dict()[k], v, rtol=0, atol=0)

@@ -17,10 +17,12 @@ def test_build_flags():
     assert build_args(REQUIRED) == BuildConfig(checkpoint="ck.pt", photos="p", out="o")
     cfg = build_args([*REQUIRED, "--dims", "8", "--kind", "ivf", "--batch-size", "4",
                       "--recall-k", "5", "--device", "cpu", "--threads", "1", "--append",
-                      "--no-progress", "--feature-cache", "none", "--workers", "0"])
+                      "--no-progress", "--feature-cache", "none", "--workers", "0",
+                      "--encoder", "torch", "--kind", "ivfsq48", "--shard-size", "7"])
     assert (cfg.dims, cfg.kind, cfg.batch_size, cfg.recall_k, cfg.device, cfg.threads) == \
-        (8, "ivf", 4, 5, "cpu", 1)
-    assert (cfg.feature_cache, cfg.workers) == ("none", 0)
+        (8, "ivfsq48", 4, 5, "cpu", 1)
+    assert (cfg.feature_cache, cfg.workers, cfg.encoder, cfg.shard_size) == ("none", 0,
+                                                                             "torch", 7)
     assert cfg.append is True and cfg.progress is False
     assert build_args([*REQUIRED, "--append", "false", "--progress", "no"]).append is False
 
@@ -28,14 +30,16 @@ def test_build_flags():
 def test_add_flags():
     assert add_args(["--index", "i", "--photos", "p"]) == AddConfig(index="i", photos="p")
     cfg = add_args(["--index", "i", "--photos", "p", "--checkpoint", "c", "--batch-size", "2",
-                    "--no-progress", "--feature-cache", "cache", "--workers", "3"])
+                    "--no-progress", "--feature-cache", "cache", "--workers", "3",
+                    "--encoder", "onnx"])
     assert (cfg.checkpoint, cfg.batch_size, cfg.progress) == ("c", 2, False)
-    assert (cfg.feature_cache, cfg.workers) == ("cache", 3)
+    assert (cfg.feature_cache, cfg.workers, cfg.encoder) == ("cache", 3, "onnx")
 
 
 @pytest.mark.parametrize("argv,message", [
     (REQUIRED[:4], "the following arguments are required: --out"),
     ([*REQUIRED, "--kind", "lsh"], "invalid choice: 'lsh'"),
+    ([*REQUIRED, "--encoder", "tensorrt"], "invalid choice: 'tensorrt'"),
     ([*REQUIRED, "--dims", "all"], "argument --dims: invalid int value: 'all'"),
     ([*REQUIRED, "--batch_size", "4"], "unrecognized arguments: --batch_size"),
     ([*REQUIRED, "--append", "maybe"], "argument --append: expected one of"),

@@ -6,7 +6,6 @@ before its 1st, 2nd, ... call that changes the disk until the writer finishes un
 """
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,6 @@ from index.add import append_photos
 from index.build import build_index
 from index.errors import IndexStoreError
 from index.store import (
-    FLAT_FILES,
     LOCK_FILE,
     POINTER_FILE,
     VERSION_NAME,
@@ -25,7 +23,6 @@ from index.store import (
     load_index,
 )
 from tests.fakes import FakeEmbedder, make_gallery
-from tests.index.earlier import to_meta_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,17 +35,6 @@ def snapshot(folder: Path) -> tuple:
             ix.index.reconstruct_n(0, len(ix)).tobytes())
 
 
-def flatten(folder: Path) -> None:
-    """Turn an index folder into the layout of earlier code: the three files in the folder."""
-    version = current_version(folder)
-    to_meta_jsonl(version)
-    for name in FLAT_FILES:
-        shutil.move(version / name, folder / name)
-    for p in folder.iterdir():
-        if p.name not in FLAT_FILES:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-
-
 def check_clean_after_next_write(run: Path, write) -> None:
     """The lock died with the killed writer; the next write leaves no temporaries."""
     write(run)
@@ -58,8 +44,7 @@ def check_clean_after_next_write(run: Path, write) -> None:
     assert current_version(run).name in versions and len(versions) <= 2
 
 
-# Appending to a flat index converts it through the same commit as a build does.
-SCENARIOS = [("build", "versioned"), ("build", "flat"), ("add", "versioned"), ("build", "none")]
+SCENARIOS = [("build", "versioned"), ("add", "versioned"), ("build", "none")]
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +59,6 @@ def killed_runs(tmp_path_factory) -> dict:
         if layout != "none":
             pristine = root / "pristine"
             build_index(embedder, gallery, pristine, "ckpt.pt", dims=8, progress=False)
-            if layout == "flat":
-                flatten(pristine)
         if writer == "add":
             make_gallery(gallery, classes=2, per_class=3, seed=1)  # 6 photos to append
         (root / "runs").mkdir()
@@ -96,7 +79,7 @@ def embedder():
     return FakeEmbedder(L=8)
 
 
-@pytest.mark.parametrize(("writer", "layout"), SCENARIOS[:3])
+@pytest.mark.parametrize(("writer", "layout"), SCENARIOS[:2])
 def test_killed_writer_leaves_the_old_or_the_new_index(killed_runs, embedder, writer, layout):
     gallery, old, runs, result = killed_runs[writer, layout]
     new = snapshot(runs / f"run-{result['finished']:03d}")

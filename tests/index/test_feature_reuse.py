@@ -12,7 +12,8 @@ import torch
 from index import add as add_mod
 from index import build as build_mod
 from index.build import build_index
-from index.gallery import cached_features, embed_photos, scan_gallery
+from index.embed import cached_features, embed_photos, photo_encoder
+from index.gallery import scan_gallery
 from index.store import load_index
 from tests.fakes import FakeEmbedder, make_gallery
 from training.cdk.features import cache_key, extract_features, find_cached
@@ -57,10 +58,16 @@ def test_cached_photos_embed_as_the_plain_path(tmp_path, gallery, pretrained, re
     positions, feats = cached_features(real_embedder, root, photos, cache)
     assert positions == list(range(0, 15, 2)) and feats.shape == (8, 1280)
 
-    plain = embed_photos(real_embedder, root, photos, 8, progress=False)  # (15, 8)
-    reused = embed_photos(real_embedder, root, photos, 8, batch_size=3, progress=False,
+    plain = embed_photos(real_embedder, root, photos, progress=False)  # (15, 8)
+    reused = embed_photos(real_embedder, root, photos, batch_size=3, progress=False,
                           cached=(positions, feats), workers=2)
     np.testing.assert_allclose(reused, plain, **CLOSE)
+    onnx = photo_encoder(real_embedder, tmp_path / "encoders", 1, "onnx")  # as index.build runs
+    assert onnx.name == "onnxruntime"
+    np.testing.assert_allclose(embed_photos(real_embedder, root, photos, onnx, progress=False),
+                               plain, **CLOSE)
+    np.testing.assert_allclose(embed_photos(real_embedder, root, photos, onnx, progress=False,
+                                            cached=(positions, feats)), plain, **CLOSE)
 
     report = build_index(real_embedder, gallery, tmp_path / "ix", real_checkpoint, dims=6,
                          progress=False, feature_cache=cache, smoothing=Smoothing(k=0))
@@ -73,7 +80,7 @@ def test_cached_photos_embed_as_the_plain_path(tmp_path, gallery, pretrained, re
 def test_stale_and_foreign_entries_are_never_used(tmp_path, gallery, pretrained, real_embedder):
     root, photos, files = listing(gallery)
     cache = tmp_path / "cache"
-    old = embed_photos(real_embedder, root, photos, 8, progress=False)
+    old = embed_photos(real_embedder, root, photos, progress=False)
     extra = tmp_path / "extra.jpg"
     shutil.copyfile(files[0], extra)
     for part in (files[0:4], files[4:8], files[8:11], [*files[11:], extra]):
@@ -91,8 +98,8 @@ def test_stale_and_foreign_entries_are_never_used(tmp_path, gallery, pretrained,
     positions, feats = cached_features(real_embedder, root, photos, cache)
     assert positions == [8, 9, 10]  # only the list whose files are all unchanged
 
-    plain = embed_photos(real_embedder, root, photos, 8, progress=False)
-    reused = embed_photos(real_embedder, root, photos, 8, progress=False,
+    plain = embed_photos(real_embedder, root, photos, progress=False)
+    reused = embed_photos(real_embedder, root, photos, progress=False,
                           cached=(positions, feats))
     np.testing.assert_allclose(reused, plain, **CLOSE)
     np.testing.assert_allclose(plain[1], plain[14], **CLOSE)  # the new content, not the old
@@ -145,8 +152,8 @@ def test_fine_tuned_checkpoint_embeds_every_photo_with_its_backbone(tmp_path, ga
 @pytest.mark.parametrize("workers", [1, 2])
 def test_workers_embed_as_the_main_process(small_gallery, real_embedder, workers):
     root, photos = scan_gallery(small_gallery)
-    main = embed_photos(real_embedder, root, photos, 8, batch_size=4, progress=False)
-    many = embed_photos(real_embedder, root, photos, 8, batch_size=4, progress=False,
+    main = embed_photos(real_embedder, root, photos, batch_size=4, progress=False)
+    many = embed_photos(real_embedder, root, photos, batch_size=4, progress=False,
                         workers=workers)
     np.testing.assert_array_equal(many, main)
 
@@ -157,7 +164,7 @@ def test_unreadable_photo_is_named_from_a_worker(tmp_path, workers):
     (tmp_path / "class0" / "c0_0_004.jpg").write_bytes(b"not a jpeg")
     root, photos = scan_gallery(tmp_path)
     with pytest.raises(ImageError, match="c0_0_004.jpg"):
-        embed_photos(FakeEmbedder(L=4), root, photos, dims=4, batch_size=2, progress=False,
+        embed_photos(FakeEmbedder(L=4), root, photos, batch_size=2, progress=False,
                      workers=workers)
 
 
@@ -171,8 +178,8 @@ def test_commands_read_the_checkpoints_cache_unless_told_not_to(tmp_path, galler
     common = ["--checkpoint", str(real_checkpoint), "--no-progress", "--threads", "1",
               "--smooth-k", "0"]
     assert build_mod.main([*common, "--photos", str(gallery), "--out", "ix"]) == 0
-    assert "backbone features of 15 of 15 photos from the feature cache .cache/cdk-features" \
-        in capsys.readouterr().out
+    assert "backbone features of 15 of 15 embedded photos from the feature cache " \
+        ".cache/cdk-features" in capsys.readouterr().out
     assert build_mod.main([*common, "--photos", str(gallery), "--out", "plain",
                            "--feature-cache", "none", "--workers", "0"]) == 0
     assert "feature cache: not used" in capsys.readouterr().out

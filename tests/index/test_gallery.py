@@ -1,7 +1,8 @@
 import pytest
 from PIL import Image
 
-from index.gallery import embed_photos, scan_gallery
+from index.embed import embed_photos
+from index.gallery import scan_gallery
 from tests.fakes import FakeEmbedder, make_gallery
 from training.folders import DataError
 
@@ -46,4 +47,4 @@ def test_unreadable_photo_is_named(tmp_path):
     (tmp_path / "class0" / "c0_0_001.jpg").write_bytes(b"not a jpeg")
     root, photos = scan_gallery(tmp_path)
     with pytest.raises(ValueError, match="c0_0_001.jpg"):
-        embed_photos(FakeEmbedder(L=4), root, photos, dims=4, progress=False)
+        embed_photos(FakeEmbedder(L=4), root, photos, progress=False)

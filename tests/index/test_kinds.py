@@ -1,18 +1,78 @@
+"""The registry of index kinds (adding one is one object, registered), the float32 kinds
+against exact search, the prefix padding and the GPU placement."""
+
+from dataclasses import dataclass
+
 import faiss
 import numpy as np
 import pytest
 
 from index.gpu import gpu_available, to_gpu
-from index.kinds import AUTO_FLAT_MAX, choose_kind
+from index.kinds import KINDS, get, parse_bytes, register, resolve
+from index.kinds.floats import AUTO_FLAT_MAX, HeldInMemory
 from index.search import pad_queries
+from tests.fakes import FakeEmbedder, make_gallery
 
 
 def test_kind_chosen_by_size_or_name():
-    assert choose_kind(10) == "flat" and choose_kind(AUTO_FLAT_MAX) == "flat"
-    assert choose_kind(AUTO_FLAT_MAX + 1) == "ivf"
-    assert choose_kind(10, "hnsw") == "hnsw"
-    with pytest.raises(ValueError, match="unknown index kind 'annoy'"):
-        choose_kind(10, "annoy")
+    assert resolve("auto", 10, 8)[0].name == "flat"
+    assert resolve("auto", AUTO_FLAT_MAX, 8)[0].name == "flat"
+    assert resolve("auto", AUTO_FLAT_MAX + 1, 8) == (get("ivf"), {"nlist": 1264, "nprobe": 64})
+    assert resolve("hnsw", 10, 8)[0].name == "hnsw"
+    with pytest.raises(ValueError, match="unknown index kind 'annoy'; choose one of auto, flat"):
+        resolve("annoy", 10, 8)
+    with pytest.raises(ValueError, match="'flat' is already registered"):
+        register(get("flat"))
+    assert {k.name for k in KINDS.values() if k.gpu} == {"flat", "ivf"}
+    assert {k.name for k in KINDS.values() if k.exact} == {"flat"}
+
+
+@dataclass(frozen=True)
+class HalfFlat(HeldInMemory):
+    """A kind as a user would add one: exact scan of float16 vectors (half the memory)."""
+
+    def memory(self, count, dims, params):
+        return count * dims * 2
+
+    def make(self, vectors, params):
+        index = faiss.IndexScalarQuantizer(vectors.shape[1], faiss.ScalarQuantizer.QT_fp16,
+                                           faiss.METRIC_INNER_PRODUCT)
+        index.add(vectors)
+        return index
+
+
+@pytest.fixture
+def half_flat():
+    kind = register(HalfFlat("flat16", "exact scan of float16 vectors", rank=0.5))
+    yield kind
+    del KINDS["flat16"]
+
+
+def test_a_registered_kind_is_built_searched_served_and_chosen(tmp_path, half_flat):
+    """One registration: every build path, the command line, loading and the budget chooser
+    then know the kind."""
+    from index.build import build_index, parse_args
+    from index.sharded import build_sharded
+    from index.store import load_index
+
+    gallery = make_gallery(tmp_path / "photos", classes=3, per_class=5)
+    embedder = FakeEmbedder(L=8)
+    a = build_index(embedder, gallery, tmp_path / "a", "ckpt.pt", kind="flat16", progress=False)
+    b = build_sharded(embedder, gallery, tmp_path / "b", "ckpt.pt", kind="flat16",
+                      shard_size=4, progress=False)
+    assert a.sidecar.kind == b.sidecar.kind == "flat16"
+    assert set(a.recall) == {8} and a.recall[8] == 1.0  # measured: the kind is not `exact`
+    ix = load_index(tmp_path / "a")
+    vectors = ix.index.reconstruct_n(0, 15)
+    np.testing.assert_array_equal(vectors, load_index(tmp_path / "b").index.reconstruct_n(0, 15))
+    q = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    scores, rows = ix.search(q, k=15)  # a 3-prefix, zero-padded by the kind's default search
+    np.testing.assert_allclose(scores, -np.sort(-(q @ vectors[:, :3].T), axis=1), rtol=1e-5)
+    assert parse_args(["--checkpoint", "c", "--photos", "p", "--out", "o",
+                       "--kind", "flat16"]).kind == "flat16"
+    # between flat (rank 0) and ivf (rank 1): taken when float32 does not fit the budget
+    assert resolve("auto", 50_000, 64, parse_bytes("10M"))[0] is half_flat
+    assert resolve("auto", 50_000, 64, parse_bytes("20M"))[0].name == "flat"
 
 
 def test_padding_gives_prefix_inner_products():
@@ -94,11 +154,10 @@ def sketch_like(n_photos: int, n_sketches: int, L: int = 64, classes: int = 100,
 
 @pytest.mark.parametrize("kind,n", [("ivf", 20_000), ("hnsw", 5_000)])  # HNSW builds slower
 def test_recall_at_small_d_for_sketch_queries(kind, n, record_property):
-    from index.kinds import KINDS
     from index.search import exact_topk
 
     photos, sketches = sketch_like(n, 200)
-    index = KINDS[kind](photos)
+    index = get(kind).build_vectors(photos, get(kind).plan(n, 64))
     recalls = {}
     for d in (4, 16, 64):
         q = np.ascontiguousarray(sketches[:, :d])

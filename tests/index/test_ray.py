@@ -1,24 +1,28 @@
-"""The Ray engine (local Ray on 2 CPUs): its shards equal the local path's embeddings, a
-worker killed mid-shard is replaced and its shard redone, and a rerun embeds only the shards
-that are missing."""
+"""The Ray engine (local Ray on 2 CPUs): a Ray build stores the vectors a local (in-memory)
+and a sharded build store, gallery smoothing included, although a worker killed mid-shard is
+replaced and its shard redone; a rerun embeds only the shards that are missing."""
 
+import functools
 import os
 
 import numpy as np
 import pytest
+import torch
 
 ray = pytest.importorskip("ray", reason="needs ray[data] (pip install -e '.[ray]'; in .[dev])")
 
+from index.build import build_index  # noqa: E402
 from index.gallery import scan_gallery  # noqa: E402
 from index.sharded import build_sharded  # noqa: E402
 from index.shards import load_vectors, plan_shards  # noqa: E402
 from index.store import load_index  # noqa: E402
 from training.cdk.model.embedder import Embedder  # noqa: E402
+from training.cdk.model.smoothing import Smoothing, smooth  # noqa: E402
 from training.images import load_image  # noqa: E402
 
 
 class CrashOnce:
-    """Builds the embedder in a Ray actor; the first photo batch any actor encodes kills its
+    """Builds the embedder in a Ray actor; the first photo any actor decodes kills its
     worker process (os._exit), once per `marker` file."""
 
     def __init__(self, checkpoint, marker):
@@ -26,17 +30,17 @@ class CrashOnce:
 
     def __call__(self):
         embedder = Embedder.from_checkpoint(self.checkpoint, device="cpu")
-        encode, marker = embedder.encode, self.marker
-
-        def crash_once(batch, modality):
-            try:
-                os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
-            except FileExistsError:
-                return encode(batch, modality)
-            os._exit(1)
-
-        embedder.encode = crash_once
+        crashing = functools.partial(crash_once, embedder.transform(), self.marker)
+        embedder.transform = lambda: crashing  # actors decode in their own process
         return embedder
+
+
+def crash_once(transform, marker, images):
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return transform(images)
+    os._exit(1)
 
 
 @pytest.fixture(scope="module")
@@ -50,25 +54,37 @@ def local_ray():
     ray.shutdown()
 
 
-def test_ray_shards_equal_the_local_path_after_a_worker_dies(
+def test_local_sharded_and_ray_builds_store_the_same_smoothed_vectors(
         local_ray, tmp_path, real_checkpoint, real_embedder, small_gallery):
-    out, marker = tmp_path / "ix", tmp_path / "crashed"
-    report = build_sharded(real_embedder, small_gallery, out, real_checkpoint, batch_size=4,
-                           engine="ray", shard_size=4, progress=False,
-                           load=CrashOnce(real_checkpoint, marker))
+    smoothing = Smoothing(k=3, weight=4.0, rounds=2)
+    common = {"batch_size": 4, "shard_size": 4, "progress": False, "smoothing": smoothing}
+    local = build_index(real_embedder, small_gallery, tmp_path / "local", real_checkpoint,
+                        workers=2, **common)
+    sharded = build_sharded(real_embedder, small_gallery, tmp_path / "sharded", real_checkpoint,
+                            **common)
+    out, marker = tmp_path / "ray", tmp_path / "crashed"
+    ray_built = build_sharded(real_embedder, small_gallery, out, real_checkpoint, engine="ray",
+                              load=CrashOnce(real_checkpoint, marker), **common)
     assert marker.exists()  # a worker died mid-shard, and Ray ran that shard again
-    assert report.embedded == 15 and report.shards == 4 and report.sidecar.kind == "flat"
+    assert ray_built.embedded == sharded.embedded == 15 and ray_built.shards == 4
+    assert local.sidecar.smoothing == ray_built.sidecar.smoothing == smoothing.as_dict()
+    vectors = {name: load_index(tmp_path / name).index.reconstruct_n(0, 15)
+               for name in ("local", "sharded", "ray")}
+    np.testing.assert_array_equal(vectors["sharded"], vectors["local"])  # the same bits
+    np.testing.assert_array_equal(vectors["ray"], vectors["local"])
+    # ... which are the plain embeddings smoothed by training's rule
     root, photos = scan_gallery(small_gallery)
-    local = real_embedder.embed([load_image(root / p.path) for p in photos], "photo")  # (15, 8)
-    plan = plan_shards(out / "shards", root, photos, 8, real_embedder.checkpoint_sha256, 4)
-    np.testing.assert_allclose(load_vectors(plan), local, rtol=1e-4, atol=1e-5)
+    plain = real_embedder.embed([load_image(root / p.path) for p in photos], "photo")  # (15, 8)
+    want = smooth(torch.from_numpy(plain), smoothing).numpy()
+    np.testing.assert_allclose(vectors["ray"], want, rtol=1e-4, atol=1e-5)
     ix = load_index(out, checkpoint_sha256=real_embedder.checkpoint_sha256)
     assert [p.id for p in ix.photos] == [p.id for p in photos]
-    np.testing.assert_allclose(ix.index.reconstruct_n(0, 15), local, rtol=1e-4, atol=1e-5)
 
     # A rerun embeds only the shards that are not finished (here: one removed by hand).
+    plan = plan_shards(out / "shards", root, photos, 8, real_embedder.checkpoint_sha256, 4)
+    np.testing.assert_allclose(load_vectors(plan), plain, rtol=1e-4, atol=1e-5)  # unsmoothed
     plan.npy(plan.shards[2]).unlink()
-    again = build_sharded(real_embedder, small_gallery, out, real_checkpoint, batch_size=4,
-                          engine="ray", shard_size=4, progress=False)
+    again = build_sharded(real_embedder, small_gallery, out, real_checkpoint, engine="ray",
+                          **common)
     assert again.embedded == len(plan.shards[2].photos) == 4
-    np.testing.assert_allclose(load_vectors(plan), local, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(load_index(out).index.reconstruct_n(0, 15), vectors["local"])

@@ -26,13 +26,14 @@ def test_cli_builds_an_index_that_equals_brute_force(tmp_path, real_checkpoint, 
          str(small_gallery), "--out", str(out), "--dims", "6", "--threads", "1"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
-    assert "15 photos, kind=flat, dims=6 of L=8, backbone=efficientnet-lite0" in proc.stdout
+    assert "15 photos, kind=flat, dims=6 of width 8 (8 modes), backbone=efficientnet-lite0" \
+        in proc.stdout
     assert "embedding photos" in proc.stderr  # the progress bar
     # the checkpoint's own smoothing (its config's defaults) is applied by default
     assert "gallery smoothing: 10 neighbours, weight 4.0, 2 rounds" in proc.stdout
 
     ix = load_index(out, checkpoint_sha256=real_embedder.checkpoint_sha256)
-    assert ix.sidecar.backbone == "efficientnet-lite0" and ix.sidecar.L == 8
+    assert ix.sidecar.backbone == "efficientnet-lite0" and ix.sidecar.width == 8
     root, photos = scan_gallery(small_gallery)
     gallery = real_embedder.embed([load_image(root / p.path) for p in photos], "photo")  # (15, 8)
     # the reference: training's rule with exact neighbours on all 8 modes, 6 dims kept
@@ -57,7 +58,7 @@ def test_an_index_of_hybrid_embeddings_equals_brute_force(tmp_path, hybrid_check
     e = Embedder.from_checkpoint(hybrid_checkpoint, device="cpu")
     assert (e.modes, e.raw_dims, e.width) == (8, 8, 16)
     report = build_index(e, small_gallery, tmp_path / "ix", hybrid_checkpoint, progress=False)
-    assert report.sidecar.L == report.sidecar.dims == 16
+    assert report.sidecar.width == report.sidecar.dims == 16 and report.sidecar.modes == 8
     ix = load_index(tmp_path / "ix", checkpoint_sha256=e.checkpoint_sha256)
     root, photos = scan_gallery(small_gallery)
     gallery = e.embed([load_image(root / p.path) for p in photos], "photo")  # (15, 16)
@@ -76,7 +77,7 @@ def test_other_checkpoint_is_refused(tmp_path, real_index):
     from training.cdk.model.checkpoint import init_checkpoint
     from training.cdk.model.embedder import Embedder
 
-    other = init_checkpoint(tmp_path / "other.pt", L=8, hidden=16, image_size=64, seed=1,
+    other = init_checkpoint(tmp_path / "other.pt", modes=8, hidden=16, image_size=64, seed=1,
                             raw_dims=0)
     sha = Embedder.from_checkpoint(other, device="cpu").checkpoint_sha256
     with pytest.raises(IndexMismatchError, match="was built from checkpoint sha256"):

@@ -1,35 +1,27 @@
-"""Sharded builds: shards on disk, compressed kinds against brute force, the memory budget,
+"""Sharded builds: shards on disk, the code kinds against brute force, the memory budget,
 resume after an interruption, and the index opened memory-mapped."""
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from index.compressed import (
-    COMPRESSED_KINDS,
-    Recipe,
-    build_from_shards,
-    choose_auto,
-    default_nlist,
-    parse_bytes,
-    plan_recipe,
-    train,
-)
 from index.errors import IndexStoreError
 from index.gallery import Photo, scan_gallery
+from index.kinds import KINDS, DoesNotFit, choose, get, parse_bytes
+from index.kinds.codes import build_codes, default_nlist
 from index.search import exact_topk, exact_topk_blocks, pad_queries
 from index.sharded import build_sharded
-from index.shards import Shard, ShardPlan, load_vectors, missing_shards, write_shard
-from index.store import (
-    SIDECAR_FILE,
-    Sidecar,
-    current_version,
-    load_index,
-    read_sidecar,
+from index.shards import (
+    Shard,
+    ShardPlan,
+    load_vectors,
+    missing_shards,
+    plan_blocks,
+    write_shard,
 )
+from index.store import current_version, load_index
 from tests.fakes import FakeEmbedder, make_gallery
 from tests.index.test_kinds import sketch_like
 
@@ -62,33 +54,53 @@ def sketchlike(tmp_path_factory):
     return photos, sketches, plan
 
 
-@pytest.mark.parametrize("kind,floor", [("ivfsq8", 0.9), ("ivfpq", 0.5)])
-def test_compressed_kind_from_shards_against_brute_force(sketchlike, kind, floor,
-                                                          record_property):
+@pytest.mark.parametrize("name,floor", [("ivfsq8", 0.9), ("ivfsq48", 0.9), ("ivfpq", 0.5)])
+def test_code_kind_from_shards_against_brute_force(sketchlike, name, floor, record_property):
     photos, sketches, plan = sketchlike
-    recipe = plan_recipe(kind, len(photos), 32, budget=None, nprobe=16)
-    index = build_from_shards(recipe, plan, progress=False)
+    kind = get(name)
+    params = kind.plan(len(photos), 32, nprobe=16)
+    index = build_codes(kind, plan_blocks(plan), 32, params, work=plan.folder)
     assert index.ntotal == len(photos)
     got = {d: recall(index, photos, sketches, d, 32) for d in (4, 16, 32)}
-    record_property(f"{kind}_recall", got)
-    print(f"{kind} recall@10 of sketch queries vs brute force: {got}")
+    record_property(f"{name}_recall", got)
+    print(f"{name} recall@10 of sketch queries vs brute force: {got}")
     assert min(got.values()) >= floor, got
-    # Shard by shard gives the index FAISS's own add gives, from the same trained quantizers.
-    ref = train(recipe, photos)  # the sample of 20,000 vectors is all of them
-    ref.add(photos)
+    # Shard by shard gives the index FAISS's own add gives (the mixed kind: its own add of
+    # all vectors at once), from the same trained quantizers.
+    ref = kind.train(photos, params)  # the sample of 20,000 vectors is all of them
+    ref.add(photos) if name != "ivfsq48" else kind.add(ref, photos)
     q = pad_queries(sketches[:20, :16], 32)
     np.testing.assert_array_equal(index.search(q, 10)[1], ref.search(q, 10)[1])
 
 
-def test_ivfsq8_scores_are_prefix_inner_products(sketchlike):
-    """Zero-padded queries score the decoded d-prefix only: SQ8 codes each dim on its own."""
+@pytest.mark.parametrize("name", ["ivfsq8", "ivfsq48"])
+def test_scalar_codes_score_the_decoded_prefix_exactly(sketchlike, name):
+    """Zero-padded queries score the decoded d-prefix only: the scalar quantizers code each
+    coordinate (ivfsq48: each of its two components) on its own."""
     photos, sketches, plan = sketchlike
-    index = build_from_shards(plan_recipe("ivfsq8", 20_000, 32, None, nprobe=256), plan,
-                              progress=False)
-    for d in (3, 16):
-        scores, rows = index.search(pad_queries(sketches[:5, :d], 32), 5)
-        exact = np.einsum("qd,qkd->qk", sketches[:5, :d], photos[rows][:, :, :d])
-        np.testing.assert_allclose(scores, exact, atol=0.02 * np.abs(exact).max())
+    kind = get(name)
+    index = kind.build(plan_blocks(plan), 32, kind.plan(20_000, 32, nprobe=256))
+    decoded = kind.reconstruct(index, 0, 20_000)
+    assert np.abs(decoded - photos).max() < 0.05 * np.abs(photos).max()
+    for d in (3, 16, 32):
+        scores, rows = kind.search(index, sketches[:5, :d], 5)
+        exact = np.einsum("qd,qkd->qk", sketches[:5, :d], decoded[rows][:, :, :d])
+        np.testing.assert_allclose(scores, exact, rtol=1e-4, atol=1e-5)
+
+
+def test_the_mixed_kind_codes_its_leading_coordinates_with_8_bits(sketchlike):
+    photos, _, plan = sketchlike
+    kind = get("ivfsq48")
+    errors = {}
+    for lead in (0, 8):
+        params = {**kind.plan(20_000, 32), "lead": lead}
+        index = kind.build(plan_blocks(plan), 32, params)
+        errors[lead] = np.abs(kind.reconstruct(index, 0, 20_000) - photos).max(0)  # (32,)
+        assert index.sa_code_size() == (32 + lead) // 2 + 1  # + 1 byte for the cell number
+    # 4 more bits: the rounding error of the first 8 coordinates falls 16-fold (>= 8 here),
+    # the others are coded as before
+    assert (errors[8][:8] * 8 < errors[0][:8]).all()
+    np.testing.assert_array_equal(errors[8][8:], errors[0][8:])
 
 
 def test_exact_topk_blocks_equals_one_block():
@@ -109,39 +121,52 @@ def test_budget_picks_kind_and_code_size():
     n, d = 10_000_000, 256
     assert default_nlist(n) == 4096 and default_nlist(1_000_000) == 1024
     assert default_nlist(100) == 1
-    assert choose_auto(50_000, d, None) == "flat"
-    assert choose_auto(n, d, parse_bytes("16G")) == "ivf"  # 10.3 GB of float32 + ids
-    assert choose_auto(n, d, parse_bytes("3G")) == "ivfsq8"  # 2.64 GB
-    assert choose_auto(n, d, parse_bytes("1G")) == "opq"
-    sq8 = plan_recipe("ivfsq8", n, d, parse_bytes("3G"))
-    assert sq8.memory(n, d) == n * (256 + 8) + 4096 * 256 * 4
-    pq = plan_recipe("ivfpq", n, d, parse_bytes("1G"))
-    assert pq.m == 64 and pq.memory(n, d) <= 2**30 < Recipe("ivfpq", 4096, 128, 64).memory(n, d)
-    assert plan_recipe("opq", n, d, None).m == 128  # at most dims/2 sub-vectors
-    with pytest.raises(ValueError, match="too small for ivfsq8 over 10000000 vectors"):
-        plan_recipe("ivfsq8", n, d, parse_bytes("2G"))
+
+    def auto(count, dims, budget):
+        return choose(count, dims, parse_bytes(budget) if budget else None)[0].name
+
+    assert auto(50_000, d, None) == "flat" and auto(200_000, d, None) == "ivf"
+    assert auto(n, d, "16G") == "ivf"  # 10.3 GB of float32 + ids
+    assert auto(n, d, "3G") == "ivfsq8"  # 2.64 GB
+    assert auto(n, d, "1G") == "opq"
+    sq8 = get("ivfsq8")
+    assert sq8.memory(n, d, sq8.plan(n, d)) == n * (256 + 8) + 4096 * 256 * 4 + 2 * 256 * 4
+    # today's width: 8-bit codes of all 512 would take 5.2 GB; the mixed kind codes as many
+    # leading coordinates with 8 bits as the budget allows, the others with 4
+    kind, params = choose(n, 512, parse_bytes("3G"))
+    assert kind.name == "ivfsq48" and params["lead"] == 114
+    assert kind.memory(n, 512, params) <= 3 * 2**30 < kind.memory(n, 512, {**params, "lead": 116})
+    pq = get("ivfpq").plan(n, d, parse_bytes("1G"))
+    assert pq["m"] == 64 and get("ivfpq").memory(n, d, pq) <= 2**30 < get("ivfpq").memory(
+        n, d, {**pq, "m": 128})
+    assert get("opq").plan(n, d)["m"] == 128  # at most dims/2 sub-vectors
+    with pytest.raises(DoesNotFit, match="ivfsq8 over 10000000 vectors of 256 dims needs"):
+        sq8.plan(n, d, parse_bytes("2G"))
     with pytest.raises(ValueError, match="needs at least 9984 vectors"):
-        plan_recipe("ivfpq", 500, d, None)
+        get("ivfpq").plan(500, d)
+    with pytest.raises(DoesNotFit, match="too small for any index kind over 10000000 vectors"):
+        choose(n, 512, parse_bytes("10M"))
 
 
 def test_interrupted_encoding_resumes_at_the_first_shard_not_encoded(tmp_path):
     photos, _ = sketch_like(12_000, 1, L=16)
     plan = synthetic_plan(tmp_path / "shards", photos, 3_000)
-    recipe = plan_recipe("ivfsq8", 12_000, 16, None)
+    kind = get("ivfsq8")
+    params = kind.plan(12_000, 16)
 
     def stop_after_two(block):
         if block.start == 3_000:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        build_from_shards(recipe, plan, progress=False, on_block=stop_after_two)
+        build_codes(kind, plan_blocks(plan), 16, params, plan.folder, on_block=stop_after_two)
     written = {p.name: p.stat().st_mtime_ns for p in plan.folder.glob("codes-*")}
     assert len(written) == 2 and len(list(plan.folder.glob("trained-*"))) == 1
-    resumed = build_from_shards(recipe, plan, progress=False)
+    resumed = build_codes(kind, plan_blocks(plan), 16, params, plan.folder)
     assert {p.name: p.stat().st_mtime_ns for p in plan.folder.glob("codes-*")
             if p.name in written} == written  # not encoded again
-    whole = build_from_shards(recipe, synthetic_plan(tmp_path / "again", photos, 3_000),
-                              progress=False)
+    again = synthetic_plan(tmp_path / "again", photos, 3_000)
+    whole = build_codes(kind, plan_blocks(again), 16, params, again.folder)
     q = pad_queries(photos[:50, :8], 16)
     for a, b in zip(resumed.search(q, 10), whole.search(q, 10), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -187,12 +212,13 @@ def test_sharded_build_resumes_and_never_shows_a_partial_index(tmp_path):
     np.testing.assert_allclose(load_vectors(plan), reference, rtol=1e-6, atol=1e-6)
     ix = load_index(out)
     assert [p.id for p in ix.photos] == [p.id for p in photos] and ix.sidecar.kind == "ivfsq8"
-    assert ix.sidecar.params["kind"] == "ivfsq8" and ix.sidecar.params["nlist"] == 1
+    assert ix.sidecar.params["nlist"] == 1
     assert set(ix.sidecar.recall["by_dims"]) == {"8"} and ix.sidecar.recall["k"] == 10
-    assert not list((out / "shards").glob("codes-*"))  # work files go after the commit
+    assert sorted(p.name for p in (out / "shards").iterdir()) == sorted(  # work files went
+        f"{s.stem}{ext}" for s in plan.shards for ext in (".npy", ".json"))
 
 
-def test_index_is_memory_mapped_and_old_sidecars_still_read(tmp_path):
+def test_index_is_memory_mapped(tmp_path):
     from index.build import build_index
 
     gallery = make_gallery(tmp_path / "photos", classes=2, per_class=3)
@@ -202,32 +228,28 @@ def test_index_is_memory_mapped_and_old_sidecars_still_read(tmp_path):
     maps = Path("/proc/self/maps")
     if maps.exists():
         assert path in maps.read_text()  # the vectors are mapped from the file, not copied
-    sidecar = current_version(tmp_path / "ix") / SIDECAR_FILE
-    raw = json.loads(sidecar.read_text())
-    assert raw["params"] == {} and raw["recall"] == {}
-    del raw["params"], raw["recall"]  # as earlier code wrote it
-    sidecar.write_text(json.dumps(raw))
-    assert read_sidecar(tmp_path / "ix") == Sidecar(**raw) and len(ix) == 6
+    assert len(ix) == 6
 
 
-def test_compressed_kinds_are_build_choices():
+def test_code_kinds_are_build_choices():
     from index.build import parse_args
 
-    for kind in COMPRESSED_KINDS:
+    for kind in [k for k in KINDS if get(k).streams]:
         cfg = parse_args(["--checkpoint", "c", "--photos", "p", "--out", "o", "--kind", kind,
                           "--max-index-memory", "3G", "--engine", "ray", "--shard-size", "7"])
         assert (cfg.kind, cfg.max_index_memory, cfg.engine, cfg.shard_size) == (
             kind, "3G", "ray", 7)
 
 
-def test_append_to_a_compressed_index(tmp_path):
-    """index.add works on a compressed index: the new photos are encoded by its trained
-    quantizers and the old codes stay as they were. (Values outside the ranges the 8-bit
-    quantizer was trained on are clipped: README says to rebuild from the shards instead.)"""
+@pytest.mark.parametrize("kind", ["ivfsq8", "ivfsq48"])
+def test_append_to_a_code_index(tmp_path, kind):
+    """index.add works on a code index: the new photos are encoded by its trained
+    quantizers and the old codes stay as they were. (Values outside the ranges the scalar
+    quantizer was trained on are clipped: docs/index.md says to rebuild instead.)"""
     from index.add import append_photos
 
     gallery = make_gallery(tmp_path / "photos", classes=3, per_class=5)
-    build_sharded(FakeEmbedder(L=8), gallery, tmp_path / "ix", "ckpt.pt", kind="ivfsq8",
+    build_sharded(FakeEmbedder(L=8), gallery, tmp_path / "ix", "ckpt.pt", kind=kind,
                   shard_size=4, progress=False)
     queries = np.random.default_rng(0).normal(size=(4, 8)).astype(np.float32)
     before = load_index(tmp_path / "ix").search(queries, k=15)
@@ -235,7 +257,7 @@ def test_append_to_a_compressed_index(tmp_path):
     report = append_photos(FakeEmbedder(L=8), tmp_path / "ix", gallery, progress=False)
     ix = load_index(tmp_path / "ix")
     assert report.added == 6 and len(ix) == ix.index.ntotal == 21
-    assert ix.sidecar.kind == "ivfsq8"
+    assert ix.sidecar.kind == kind
     root, photos = scan_gallery(gallery)
     assert {p.id for p in ix.photos} == {p.id for p in photos}
     scores, rows = ix.search(queries, k=21)

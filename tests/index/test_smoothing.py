@@ -1,18 +1,29 @@
 """Gallery smoothing in the index: FAISS neighbours against training's exact search, the
-stored vectors of a build and an append against the rule applied in torch, the sidecar."""
+stored vectors of a build and an append against the rule applied in torch, the sidecar, and
+the same vectors on every build path (in memory, shards, blocks of any size)."""
+
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-import index.smoothing as smoothing_mod
+import index.neighbours as neighbours_mod
 from index import add as add_mod
+from index.blocks import array_blocks, concat
 from index.build import build_index
 from index.gallery import scan_gallery
-from index.smoothing import checkpoint_smoothing, faiss_neighbours, smooth_added
+from index.kinds import get
+from index.neighbours import (
+    checkpoint_smoothing,
+    faiss_neighbours,
+    smooth_added,
+    smooth_blocks,
+)
 from index.store import load_index
 from tests.fakes import FakeEmbedder, make_gallery
+from training.cdk.config import Config
 from training.cdk.model.smoothing import Smoothing, exact_neighbours, smooth
 
 
@@ -31,8 +42,8 @@ def test_faiss_neighbours_equal_exact_ones():
                                   exact_neighbours(g, 7, some).numpy())
 
 
-def test_the_hnsw_branch_finds_the_exact_neighbours(monkeypatch):
-    monkeypatch.setattr(smoothing_mod, "AUTO_FLAT_MAX", 10)
+def test_the_code_index_branch_finds_the_exact_neighbours(monkeypatch):
+    monkeypatch.setattr(neighbours_mod, "EXACT_MAX", 10)
     g = torch.randn(500, 8, generator=torch.Generator().manual_seed(1))
     rows = torch.arange(500)
     got, want = faiss_neighbours(g, 5, rows).numpy(), exact_neighbours(g, 5, rows).numpy()
@@ -102,22 +113,36 @@ def test_append_smooths_new_photos_against_the_stored_ones(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw"])
-def test_smooth_added_reads_every_in_memory_kind(kind):
-    from index.kinds import KINDS
-
+def test_smooth_added_reads_the_stored_vectors_of_every_float_kind(kind):
     rng = np.random.default_rng(3)
     stored = rng.standard_normal((400, 6)).astype(np.float32)
     new = rng.standard_normal((5, 6)).astype(np.float32)
     cfg = Smoothing(k=3, weight=1.0, rounds=1)
     want = smooth(torch.from_numpy(np.concatenate([stored, new])), cfg,
                   rows=torch.arange(400, 405)).numpy()[400:]
-    np.testing.assert_allclose(smooth_added(KINDS[kind](stored), new, cfg), want, rtol=1e-5,
-                               atol=1e-6)
+    index = get(kind).build_vectors(stored, get(kind).plan(400, 6))
+    np.testing.assert_allclose(smooth_added(get(kind).reconstruct(index, 0, 400), new, cfg),
+                               want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("exact_max", [10_000, 100])  # exact neighbours; a code index
+def test_blocks_of_any_size_give_the_same_bits(monkeypatch, exact_max):
+    """The rule over blocks (shards) equals the rule over one array, bit for bit, whatever
+    the blocks, and equals training's torch rule where the neighbours are exact."""
+    monkeypatch.setattr(neighbours_mod, "EXACT_MAX", exact_max)
+    g = np.random.default_rng(4).standard_normal((1500, 12)).astype(np.float32)
+    cfg = Smoothing(k=5, weight=2.0, rounds=2)
+    whole = concat(smooth_blocks(array_blocks(g), cfg))
+    for size in (7, 500, 1024):
+        np.testing.assert_array_equal(concat(smooth_blocks(array_blocks(g, size), cfg)), whole)
+    if exact_max > len(g):
+        np.testing.assert_allclose(whole, smooth(torch.from_numpy(g), cfg).numpy(), rtol=1e-5,
+                                   atol=1e-6)
 
 
 def test_checkpoint_smoothing_defaults_and_overrides():
-    assert checkpoint_smoothing({"L": 8}) == Smoothing(k=0)  # before smoothing existed
-    own = {"smooth_k": 10, "smooth_weight": 4.0, "smooth_rounds": 2}
+    own = {**dataclasses.asdict(Config()), "smooth_k": 10, "smooth_weight": 4.0,
+           "smooth_rounds": 2}
     assert checkpoint_smoothing(own) == Smoothing(10, 4.0, 2)
     assert checkpoint_smoothing(own, k=0) == Smoothing(0, 4.0, 2)
     assert checkpoint_smoothing(own, weight=1.5, rounds=3) == Smoothing(10, 1.5, 3)

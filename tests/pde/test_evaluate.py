@@ -32,3 +32,19 @@ def test_exact_eigenfunctions_score_near_zero(name, tol):
     assert m["angle_distance_mean"] < 1e-3
     assert m["orthogonality"] < 1e-9
     assert m["order_correct"]
+
+
+def test_aligned_functions_are_the_truth_for_the_truth_in_any_chunks():
+    """The scaled exact eigenfunctions, aligned, are the eigenfunctions themselves (up to
+    the finite-difference-free evaluation: exactly), evaluated a chunk at a time."""
+    from training.pde.evaluate import aligned_functions
+
+    problem = make_problem("hydrogen")
+    model = _ScaledTruth(problem).double()
+    result = evaluate(model, problem)
+    rotations, norms = result["alignment"]["trained"]
+    x = 5 * torch.randn(300, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    whole = aligned_functions(model, problem, rotations, norms)(x)
+    torch.testing.assert_close(aligned_functions(model, problem, rotations, norms, chunk=7)(x),
+                               whole, rtol=0, atol=0)
+    torch.testing.assert_close(whole, problem.eigenfunctions(x), rtol=1e-4, atol=1e-6)

@@ -26,6 +26,24 @@ def test_grid_operator_is_symmetric_and_avoids_the_origin():
     assert torch.isfinite(torch.as_tensor(T.diagonal())).all()
 
 
-def test_grid_solver_refuses_high_dimension():
-    with pytest.raises(ValueError, match="2D problems only.*ndim=3"):
+def test_the_grid_is_the_problems_and_refuses_what_does_not_fit():
+    assert make_problem("hydrogen").grid == (80.0, 400)
+    assert make_problem("oscillator").grid == (6.0, 120)
+    with pytest.raises(ValueError, match="'oscillator' in 3D carries no grid solver"):
         solve_grid(make_problem("oscillator", 3))
+    with pytest.raises(ValueError, match="2.89e\\+11 points"):
+        grid_operator(make_problem("oscillator", 10), 6.0, 14)
+
+
+def test_grid_solver_in_1d_and_3d_with_the_kinetic_coefficient():
+    """H = -1/2 d^2/dx^2 + x^2/2 (energies n + 1/2) in 1D, and the 3D oscillator's top
+    levels on a coarse box: the operator is assembled per axis for any dimension."""
+    from training.pde.schrodinger import schrodinger
+
+    one = schrodinger(lambda x: 0.5 * (x**2).sum(-1), 1, kinetic=0.5, shift=5.0,
+                      energies=[0.5, 1.5, 2.5])
+    r = solve_grid(one, half_width=8.0, n=400)
+    assert r["rel_error_mean"] < 5e-4 and r["order_correct"]
+    three = solve_grid(make_problem("oscillator", 3), half_width=4.0, n=20)
+    assert three["order_correct"] and three["rel_error_mean"] < 0.06  # h = 0.4
+    assert three["subspace_distance_mean"] < 0.01

@@ -1,9 +1,7 @@
 """The mixture sampling distribution: its log-density is a normalised density (quadrature)
-equal to an independent torch.distributions mixture, its sampler draws from it (radial
-CDF and second moment), and configs and checkpoints written before it existed still load
-and resume."""
+equal to an independent torch.distributions mixture and its sampler draws from it (radial
+CDF and second moment); checkpoints of another format are refused."""
 
-import dataclasses
 import math
 
 import pytest
@@ -85,22 +83,16 @@ def test_mixture_settings_are_validated():
     assert (p.train_std, p.mix_std, p.mix_fraction) == (12.0, 3.0, 0.25)
 
 
-def test_a_checkpoint_written_before_the_mixture_loads_and_resumes(tmp_path):
-    # a run of the single Gaussian, as every run before the mixture was
+def test_a_checkpoint_of_another_format_is_refused_with_a_message(tmp_path):
     config = preset("cpu", make_problem("hydrogen"), iterations=2, batch_size=16,
                     fourier_features=4, hidden=8, threads=1, out=str(tmp_path),
-                    train_mix_fraction=0.0, train_mix_std=0.0)
+                    ritz_samples=0)
     train(config, progress=False)
     path = tmp_path / CHECKPOINT
-    ckpt = load_train_state(path)
-    for key in ("train_mix_fraction", "train_mix_std"):
-        del ckpt["config"][key]  # as an older version wrote it
-    torch.save(ckpt, path)
     loaded, _, _ = load_checkpoint(path)
     assert loaded == config
-    again = dataclasses.replace(config, resume=True)
-    _, info = train(again, progress=False)  # the stored settings are accepted: nothing to do
-    assert info["steps"] == 2
-    with pytest.raises(ValueError, match="train_mix_fraction: 0.0 -> 0.5"):
-        train(dataclasses.replace(again, train_mix_fraction=0.5, train_mix_std=1.0),
-              progress=False)
+    ckpt = load_train_state(path)
+    del ckpt["format"]  # as the code before the Schrodinger problems wrote it
+    torch.save(ckpt, path)
+    with pytest.raises(ValueError, match="of format 1, this version reads format 2"):
+        load_checkpoint(path)

@@ -19,6 +19,9 @@ def _config(out, **kw):
     return preset("cpu", make_problem("hydrogen"), **{**values, **kw})
 
 
+_GUESS = {"step_seconds": {}, "train_seconds": 0.0, "eval_seconds": 0.0, "eval_points": 0}
+
+
 class _Interrupt(Exception):
     pass
 
@@ -103,14 +106,15 @@ def test_the_last_steps_draw_the_final_batch_size_and_resume_exactly(tmp_path, m
     assert [batch_size_at(cfg, t) for t in range(4)] == [16, 16, 40, 40]
     assert [batch_size_at(_config(tmp_path), t) for t in range(4)] == [16] * 4
     drawn = []
-    problem = make_problem("hydrogen")
-    real_sample = type(problem).sample
+    real_step = train_module.Trainer.step
 
-    def spy(self, n, *args, **kwargs):
-        drawn.append(n)
-        return real_sample(self, n, *args, **kwargs)
+    def spy(self, batch_size, *args, **kwargs):
+        drawn.append(batch_size)
+        return real_step(self, batch_size, *args, **kwargs)
 
-    monkeypatch.setattr(type(problem), "sample", spy)
+    # the batches of the run itself (not those of the trial steps that time it)
+    monkeypatch.setattr(train_module, "estimate_seconds", lambda *a, **k: _GUESS)
+    monkeypatch.setattr(train_module.Trainer, "step", spy)
     full, _ = train(cfg, progress=False)
     assert drawn == [16, 16, 40, 40]
 

@@ -72,7 +72,7 @@ def test_training_with_the_fused_update_matches_the_plain_one(tmp_path):
 
     # Rounding differences of ~1 ulp per step; RMSprop's normalisation g / sqrt(E g^2)
     # amplifies them where a gradient is ~0, so compare each tensor as a whole.
-    plain, fused = run(False), run(True)
+    plain, fused = run("false"), run("true")
     for a, b in zip(plain.parameters(), fused.parameters(), strict=True):
         assert (b - a).norm() <= 1e-4 * a.norm()
 

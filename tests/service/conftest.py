@@ -11,9 +11,9 @@ from fastapi.testclient import TestClient
 from PIL import Image, ImageDraw
 
 from index.build import build_index
-from index.store import load_index
-from service.engine import RetrievalEngine
+from service.loading import open_current
 from service.main import create_app
+from service.retrieval import RetrievalEngine
 from service.server import server_config
 from service.settings import Settings
 from tests.fakes import FakeEmbedder, make_gallery
@@ -38,8 +38,8 @@ def settings(fake_index):
 @pytest.fixture
 def engine(fake_index, settings):
     index_dir, embedder = fake_index
-    return RetrievalEngine(embedder, load_index(index_dir, embedder.checkpoint_sha256),
-                           settings.max_pixels)
+    gallery, version = open_current(index_dir, embedder)
+    return RetrievalEngine(embedder, gallery, settings.max_pixels, version=version)
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def serve(app, settings):
                                           log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180  # the first start exports the encoder (slow when busy)
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("uvicorn did not start")
@@ -91,39 +91,50 @@ def serve(app, settings):
 @contextmanager
 def service_process(index, *flags: str, **env: str):
     """`python -m service --index INDEX FLAGS` in its own process on 127.0.0.1; yields
-    (url, process) once /health answers 200, and stops it after."""
+    (url, process) once /health answers 200, and stops it after. Its output goes to a file
+    (a pipe nobody reads would fill and stall the server), `process.output()` reads it."""
     import os
     import subprocess
     import sys
+    import tempfile
 
     import httpx
 
     from tests.conftest import REPO
 
     port = free_port()
+    log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "service", "--index", str(index), "--port", str(port),
          "--host", "127.0.0.1", "--log-level", "warning", *flags],
         cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=log, stderr=subprocess.STDOUT, text=True)
+
+    def output() -> str:
+        log.seek(0)
+        return log.read()
+
+    proc.output = output
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 180
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"service exited with {proc.returncode}: {proc.stdout.read()}")
+                pytest.fail(f"service exited with {proc.returncode}: {output()}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail("service did not become healthy in 90 s")
+                pytest.fail("service did not become healthy in 180 s")
             time.sleep(0.3)
         yield url, proc
     finally:
-        proc.terminate()
-        proc.communicate(timeout=20)
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)
+        log.close()
 
 
 @pytest.fixture(scope="module")

@@ -108,3 +108,36 @@ def test_error_is_shown_for_a_bad_upload(page, tmp_path):
     assert resp.value.status == 415
     page.wait_for_function("document.getElementById('status').className === 'error'")
     assert "is not a PNG/JPEG/WEBP image" in page.text_content("#status")
+
+
+def test_the_page_asks_for_the_key_when_the_service_needs_one(real_index, page):
+    from service.main import create_app
+    from service.settings import Settings
+    from tests.service.conftest import serve
+
+    settings = Settings(index=real_index, max_k=20, default_k=6, api_keys=["page-key"],
+                        encoder="torch")
+    with serve(create_app(settings), settings) as url:
+        context = page.context.browser.new_context()  # the module's browser, a fresh session
+        page = context.new_page()
+        page.goto(url + "/")  # the page itself is open
+        page.wait_for_selector("#key-form:not([hidden])", timeout=20_000)
+        assert "needs an API key" in page.text_content("#status")
+        page.fill("#api-key", "wrong")
+        page.click("#key-form button")
+        page.wait_for_function("document.getElementById('status').textContent"
+                               ".includes('refused')")
+        page.fill("#api-key", "page-key")
+        page.click("#key-form button")
+        page.wait_for_selector("body[data-ready='1']", timeout=20_000)
+        assert page.input_value("#dims") == "8"
+        box = page.locator("#canvas").bounding_box()
+        with page.expect_response(lambda r: "/retrieve?" in r.url) as resp:
+            page.mouse.move(box["x"] + 40, box["y"] + 40)
+            page.mouse.down()
+            page.mouse.move(box["x"] + 120, box["y"] + 90)
+            page.mouse.up()
+        assert resp.value.status == 200
+        hits = shown_images(page)  # <img src> of signed URLs: loaded without a header
+        assert len(hits) == 6 and all("sig=" in h["src"] for h in hits)
+        context.close()

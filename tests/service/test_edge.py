@@ -79,7 +79,7 @@ def test_stalled_headers_are_closed_and_a_stalled_body_is_408(fake_index, edge_s
 def fake_engine(fake_index, delay: float = 0.0, gate: threading.Event | None = None):
     """The fake-embedder engine; each retrieval waits for `gate` and sleeps `delay`."""
     from index.store import load_index
-    from service.engine import RetrievalEngine
+    from service.retrieval import RetrievalEngine
 
     index_dir, embedder = fake_index
     engine = RetrievalEngine(embedder, load_index(index_dir, embedder.checkpoint_sha256),

@@ -13,11 +13,13 @@ from PIL import Image
 import training.cdk.model.export as export
 from index.build import build_index
 from index.store import check_replaceable, load_index
-from service.engine import TorchEncoder, load_engine, pick_encoder
+from service.encoders import TorchEncoder, pick_encoder
+from service.loading import load_engine
 from service.settings import Settings
 from training.cdk.model.checkpoint import init_checkpoint
 from training.cdk.model.embedder import Embedder
 from training.cdk.model.export import (
+    EncoderFormatError,
     EncoderMismatchError,
     OnnxEncoder,
     encoder_path,
@@ -81,7 +83,7 @@ def test_exported_once_then_read_from_the_index_folder(tmp_path, real_embedder, 
     monkeypatch.setattr(export, "export_encoder", lambda *a, **k: onnx_model)
     first = load_or_export(real_embedder, tmp_path)
     path = encoder_path(tmp_path, real_embedder.checkpoint_sha256)
-    assert path.read_bytes() == onnx_model and first.source == "exported sketch encoder"
+    assert path.read_bytes() == onnx_model and first.source == "exported sketch encoder (fp32)"
 
     def no_export(*a, **k):
         raise AssertionError("exported again although the file is there")
@@ -124,7 +126,7 @@ def test_service_refuses_a_planted_encoder(tmp_path, real_index, real_checkpoint
     index = tmp_path / "index"
     shutil.copytree(real_index, index)
     sha = Embedder.from_checkpoint(real_checkpoint, device="cpu").checkpoint_sha256
-    other = init_checkpoint(tmp_path / "other.pt", L=8, hidden=16, image_size=64, seed=1,
+    other = init_checkpoint(tmp_path / "other.pt", modes=8, hidden=16, image_size=64, seed=1,
                             raw_dims=0)
     planted = export_encoder(Embedder.from_checkpoint(other, device="cpu"))
     encoder_path(index, sha).parent.mkdir(parents=True, exist_ok=True)
@@ -142,7 +144,7 @@ def sketchy_index(tmp_path_factory, sketchy_mini):
     classes = sorted(p.name for p in (sketchy_mini / "photo").iterdir())[:20]
     for cls in classes:
         shutil.copytree(sketchy_mini / "photo" / cls, photos / cls)
-    ckpt = init_checkpoint(work / "checkpoint.pt", L=64, hidden=64, image_size=96)
+    ckpt = init_checkpoint(work / "checkpoint.pt", modes=64, hidden=64, image_size=96)
     embedder = Embedder.from_checkpoint(ckpt, device="cpu")
     build_index(embedder, photos, work / "index", ckpt, progress=False)
     return embedder, work / "index", classes
@@ -181,9 +183,9 @@ def test_single_view_queries_of_a_mirror_averaging_checkpoint(real_checkpoint, r
     # --no-mirror-queries embeds sketches alone: the pooled features of the trunk alone
     from training.cdk.model.backbones import global_pool
 
-    assert real_embedder.flip_average and real_embedder.trained_flip_average
-    single = Embedder.from_checkpoint(real_checkpoint, device="cpu", flip_average=False)
-    assert not single.flip_average and single.trained_flip_average
+    assert real_embedder.sketch_flip_average and real_embedder.trained_sketch_flip_average
+    single = Embedder.from_checkpoint(real_checkpoint, device="cpu", sketch_flip_average=False)
+    assert not single.flip_average and single.trained_sketch_flip_average
     batch = sketch_batch(single, small_sketches)
     trunk = single.backbone_of("sketch").module.trunk
     with torch.no_grad():
@@ -204,4 +206,35 @@ def test_single_view_queries_of_a_mirror_averaging_checkpoint(real_checkpoint, r
     # the service setting reaches the engine and /info
     engine = load_engine(Settings(index=index, checkpoint=real_checkpoint,
                                   mirror_queries=False, encoder="torch"))
-    assert not engine.embedder.flip_average
+    assert not engine.embedder.sketch_flip_average
+
+
+def with_metadata(model: bytes, **changes: str | None) -> bytes:
+    """`model` with metadata entries changed (None: removed)."""
+    import onnx
+
+    proto = onnx.load_from_string(model)
+    props = {p.key: p.value for p in proto.metadata_props}
+    props.update(changes)
+    del proto.metadata_props[:]
+    for key, value in props.items():
+        if value is not None:
+            proto.metadata_props.add(key=key, value=value)
+    return proto.SerializeToString()
+
+
+def test_a_graph_of_another_format_is_refused_then_exported_again(tmp_path, real_embedder,
+                                                                 onnx_model, monkeypatch):
+    sha = real_embedder.checkpoint_sha256
+    older = with_metadata(onnx_model, format="sketchsvd-encoder-1", flip_average=None)
+    with pytest.raises(EncoderFormatError, match="of format 'sketchsvd-encoder-1'; this code "
+                                                 f"reads '{export.FORMAT}'"):
+        OnnxEncoder(older, sha, source="old.onnx")
+    path = encoder_path(tmp_path, sha)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(older)
+    monkeypatch.setattr(export, "export_encoder", lambda *a, **k: onnx_model)
+    assert load_or_export(real_embedder, tmp_path).source == "exported sketch encoder (fp32)"
+    assert path.read_bytes() == onnx_model  # replaced by the graph of this code
+    with pytest.raises(EncoderMismatchError, match="flip_average=None"):  # no key: no default
+        OnnxEncoder(with_metadata(onnx_model, flip_average=None), sha, flip_average=True)

@@ -9,8 +9,8 @@ from fastapi.testclient import TestClient
 from PIL import Image, ImageDraw
 
 from index.store import load_index
-from service.engine import RetrievalEngine
 from service.main import create_app
+from service.retrieval import RetrievalEngine
 
 
 def upright_sketch() -> np.ndarray:

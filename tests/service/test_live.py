@@ -18,7 +18,8 @@ def test_real_server_answers_over_http(live_server, small_sketches):
     with httpx.Client(base_url=live_server, timeout=30) as http:
         assert http.get("/health").json() == {"status": "ok"}
         info = http.get("/info").json()
-        assert (info["L"], info["backbone"], info["gallery_size"]) == (8, "efficientnet-lite0", 15)
+        assert (info["width"], info["backbone"], info["gallery_size"]) == (
+            8, "efficientnet-lite0", 15)
         assert info["encoder"] == "onnxruntime"  # the CPU default
         r = http.post("/retrieve", params={"dims": 4, "k": 5},
                       files={"file": ("q.png", small_sketches[0], "image/png")})

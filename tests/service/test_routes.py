@@ -49,11 +49,14 @@ def test_dependency_override_serves_another_engine(settings, engine):
 
 def test_info(client, engine):
     info = client.get("/info").json()
-    assert info["L"] == 8 and info["backbone"] == "fake-thumbnail" and info["encoder"] == "torch"
+    assert info["width"] == 8 and info["encoder"] == "torch"
+    assert info["backbone"] == "fake-thumbnail"
     assert info["available_dims"] == {"min": 1, "max": 8}
     assert info["modes"] == 8 and info["raw_dims"] == 0
     assert info["gallery_size"] == 15 and info["classes"] == 3
     assert info["index_kind"] == "flat" and info["metric"] == "inner_product"
+    assert info["index_version"] == engine.galleries.current()[1] is not None
+    assert "L" not in info
     assert info["checkpoint_sha256"] == engine.embedder.checkpoint_sha256
     assert info["limits"]["max_k"] == 20 and info["model"].endswith("ckpt.pt")
 
@@ -268,7 +271,7 @@ def test_photos_dir_override(tmp_path, fake_index, settings):
     import shutil
 
     from index.store import load_index
-    from service.engine import RetrievalEngine
+    from service.retrieval import RetrievalEngine
 
     index_dir, embedder = fake_index
     gallery = load_index(index_dir)
@@ -290,7 +293,7 @@ def own_gallery(tmp_path, settings):
     and a secret file beside the gallery that must never be served."""
     from index.build import build_index
     from index.store import load_index
-    from service.engine import RetrievalEngine
+    from service.retrieval import RetrievalEngine
     from tests.fakes import FakeEmbedder, make_gallery
 
     photos = make_gallery(tmp_path / "photos", classes=2, per_class=2)
@@ -348,7 +351,7 @@ def test_file_is_opened_without_following_a_link_swapped_in_after_the_check(tmp_
     the open (a race) is refused, as a file, a folder or a FIFO."""
     import os
 
-    from service.engine import read_below
+    from service.photo_files import read_below
 
     root = tmp_path / "root"
     (root / "a").mkdir(parents=True)
@@ -375,7 +378,7 @@ def test_a_table_row_whose_path_leaves_the_root_is_not_served(tmp_path, settings
     from index.build import build_index
     from index.store import current_version, load_index
     from index.table import TABLE_FILES, PhotoTable, write_table
-    from service.engine import RetrievalEngine
+    from service.retrieval import RetrievalEngine
     from tests.fakes import FakeEmbedder, make_gallery
 
     photos = make_gallery(tmp_path / "photos", classes=2, per_class=2)

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from index.store import SIDECAR_FILE, IndexMismatchError, current_version, read_sidecar
-from service.engine import find_checkpoint
+from service.loading import find_checkpoint
 from service.main import create_app
 from service.settings import Settings
 
@@ -33,7 +33,7 @@ def test_checkpoint_from_setting_then_sidecar_then_next_to_index(tmp_path, real_
 def test_startup_refuses_another_checkpoint(tmp_path, real_index, caplog):
     from training.cdk.model.checkpoint import init_checkpoint
 
-    other = init_checkpoint(tmp_path / "other.pt", L=8, hidden=16, image_size=64, seed=2,
+    other = init_checkpoint(tmp_path / "other.pt", modes=8, hidden=16, image_size=64, seed=2,
                             raw_dims=0)
     app = create_app(Settings(index=real_index, checkpoint=other))
     with pytest.raises(IndexMismatchError, match="was built from checkpoint sha256"):
@@ -71,13 +71,13 @@ def test_startup_with_an_incomplete_checkpoint_says_which_keys_are_missing(tmp_p
 
 def test_a_gpu_index_is_searched_one_call_at_a_time(real_index, monkeypatch):
     # No GPU here: pretend one, with an identity "copy to GPU", and check the wrapping.
-    import service.engine
+    import service.loading
     from index.gpu import SerializedIndex
-    from service.engine import load_engine
+    from service.loading import load_engine
     from service.settings import Settings
 
-    monkeypatch.setattr(service.engine, "gpu_available", lambda: True)
-    monkeypatch.setattr(service.engine, "to_gpu", lambda index: index)
+    monkeypatch.setattr(service.loading, "gpu_available", lambda: True)
+    monkeypatch.setattr(service.loading, "to_gpu", lambda index: index)
     engine = load_engine(Settings(index=real_index))
     assert isinstance(engine.gallery.index, SerializedIndex)
     scores, rows = engine.gallery.search(np.zeros((2, 3), np.float32), 4)

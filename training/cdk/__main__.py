@@ -8,7 +8,7 @@ import sys
 from training import cli
 from training.allocator import tune_allocator
 
-from .config import parse_args
+from .config import PRESET_REASONS, parse_args
 from .run import run
 
 
@@ -19,7 +19,10 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     tune_allocator()
     cfg = parse_args(argv)
-    m = run(cfg)
+    chosen = "--preset" in argv or any(a.startswith("--preset=") for a in argv)
+    print(f"preset {cfg.preset} ({'chosen' if chosen else 'no --preset given'}): "
+          f"{PRESET_REASONS[cfg.preset]}", flush=True)
+    m = run(cfg, say=lambda line: print(line, flush=True))
     if m:
         dims = " ".join(f"{d}:{v:.3f}" for d, v in m["map_by_dims"].items())
         print(f"{cfg.method} on {cfg.split} test classes: mAP@all {m['map_all']:.4f}  "

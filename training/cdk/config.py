@@ -1,126 +1,123 @@
 """Defaults of ``python -m training.cdk``: one frozen dataclass whose defaults are the
 ``cpu`` preset, the presets as differences from it, and the command line (training.cli:
 one dashed flag per field; unknown flags or values are errors).
+
+The fields fall in four groups: the paper's method (section 4.2 and its appendix), what
+the product adds on top of it (each chosen on validation classes; docs/retrieval-training.md
+has the evidence), fine-tuning the backbones, and the run itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from training import cli
 
-__all__ = ["Config", "PRESETS", "METHODS", "NESTING_OF", "NESTING_WEIGHTS", "nesting_weights",
-           "smoothing", "sketch_flip_average", "make_config", "parse_args", "to_dict",
-           "from_dict"]
+__all__ = ["Config", "PRESETS", "PRESET_REASONS", "METHODS", "NESTING_OF", "NESTING_WEIGHTS",
+           "fit_warnings", "nesting_weights", "smoothing", "make_config", "parse_args",
+           "to_dict", "from_dict"]
 
 # CLI method name -> nesting of training.loss.nesting_masks
 NESTING_OF = {"neuralsvd-jnt": "joint", "neuralsvd-seq": "sequential", "lora": "none"}
 METHODS = tuple(NESTING_OF)
 PAIRINGS = ("class", "instance")
-# Joint-nesting weights w_l over the prefixes l = 1..L (training.loss.nesting_masks).
-# uniform: the paper's 1/L. harmonic: w_l proportional to 1/l, which puts more of the
+# Joint-nesting weights w_l over the prefixes l = 1..modes (training.loss.nesting_masks).
+# uniform: the paper's 1/modes. harmonic: w_l proportional to 1/l, which puts more of the
 # objective on the first prefixes (the gap m_1 - m_2 that orders mode 1 before mode 2 is
-# 1/H_L ~ 1/6 instead of 1/L); any positive weights share the same global minimiser.
+# 1/H_modes ~ 1/6 instead of 1/modes); any positive weights share the same global minimiser.
 NESTING_WEIGHTS = ("uniform", "harmonic")
 # Fields that do not change what is trained: a run may be resumed with other values.
 RUNTIME_FIELDS = ("out", "threads", "cache_dir", "k", "gallery_queries", "gallery_topk",
                   "workers", "smooth_k", "smooth_weight", "smooth_rounds")
-# BatchNorm while fine-tuning. frozen: every BN layer stays in eval mode with the pretrained
-# running statistics (its affine weights still train); train: BN layers of the trainable
-# stages use and update batch statistics.
-BN_POLICIES = ("frozen", "train")
 
 
 @dataclass(frozen=True)
 class Config:
-    """The ``cpu`` preset with neuralsvd-jnt: minutes on 2 CPU cores (a smaller head than
-    the paper's, more and smaller steps, a larger lr to match)."""
+    """The ``cpu`` preset with neuralsvd-jnt: minutes on 2 CPU cores, seconds on a GPU
+    (frozen backbone features, a smaller head than the paper's, more and smaller steps, a
+    larger lr to match)."""
 
-    # data
+    # -- the paper's method: NestedLoRA on the canonical dependence kernel (section 4.2)
     data: str = ""  # ROOT with {sketch,photo}/<class>/<file> or the Sketchy Extended layout
     split: str = "sketchy2"  # sketchy2 | sketchy1 | FILE listing test classes
-    pairing: str = "class"  # class: p(x,y)=E_c[p(x|c)p(y|c)]; instance: sketch + its photo
-    # backbones
-    # chosen on split 2's validation classes among lite0/1/2, frozen and fine-tuned (README)
+    # the kernel's p(x, y). class: E_c[p(x|c) p(y|c)] (the paper's); instance: each sketch
+    # with the photo it was drawn from
+    pairing: str = "class"
+    # model.backbones.BACKBONES; chosen on split 2's validation classes among lite0/1/2,
+    # frozen and fine-tuned (the paper: VGG16)
     backbone: str = "efficientnet-lite1"
     backbone_weights: str = ""  # local state-dict file; empty: packaged/torchvision weights
-    image_size: int = 0  # 0: the backbone's native size (backbones.NATIVE_SIZE; 240 here)
-    # frozen backbones: photo features averaged with those of the mirrored image (twice the
-    # backbone's cost per photo, in training and indexing; chosen on validation)
-    flip_average: bool = True
-    # ... and sketch features too (twice the cost of each query). With the heads' input
-    # dropout it adds nothing on validation (README), so queries take one backbone pass
-    flip_average_sketches: bool = False
-    # global pooling of the trunk's maps: avg | gem (generalised mean, p = 3; chosen on
-    # validation: +0.026 mAP over avg, mean of three seeds)
-    pooling: str = "gem"
-    finetune: bool = False  # train the backbones with the heads (else cached frozen features)
-    backbone_lr: float = 1e-4  # SGD lr of the backbones when finetuning
-    trainable_stages: int = 0  # finetune: the last K blocks (+ final conv) train; 0: all
-    bn: str = "frozen"  # finetune: BatchNorm policy, one of BN_POLICIES
-    shared_backbone: bool = False  # finetune: one backbone for both modalities
-    augment: bool = False  # finetune: random crops/flips (+ affine sketches, jitter photos)
-    workers: int = 0  # finetune: DataLoader processes decoding images; 0: the main one
-    head_epochs: int = 0  # after the epochs: heads only, on features of the final backbones
-    head_lr: float = 0.05  # SGD lr of the head-only epochs (cosine to 0 over them)
-    # frozen path: V augmented views of each training image, their features cached; each
-    # epoch draws the plain features or one view per sampled image (0: plain only)
-    feature_views: int = 0
-    cache_dir: str = ".cache/cdk-features"
-    # model
-    method: str = "neuralsvd-jnt"
+    image_size: int = 0  # 0: the backbone's native size (240 for lite1)
+    method: str = "neuralsvd-jnt"  # neuralsvd-jnt | neuralsvd-seq | lora (no nesting)
     # neuralsvd-jnt only. harmonic: in the cpu preset's budget the paper's uniform weights
-    # do not order the leading modes (README, benchmark).
+    # do not order the leading modes
     nesting_weights: str = "harmonic"
-    L: int = 256
-    hidden: int = 1024
-    mu: float = 16.0
-    # dropout of the heads' standardised input features while training (embedding is
-    # unaffected); chosen on validation: +0.024 smoothed mAP, mean of three seeds (README)
-    input_dropout: float = 0.3
-    # embeddings scaled to unit length wherever they are used for retrieval (evaluation,
-    # index, service), so the full-L score is a cosine; the learned functions and their
-    # singular values are not. Chosen on validation: +0.015 smoothed mAP, +0.023 P@10
-    # (mean of three seeds, README)
-    unit_embeddings: bool = True
-    # frozen backbones: raw_dims coordinates appended after the L modes, the backbone
-    # features centred per modality and projected on their top raw_dims principal axes
-    # (fit on the training features of both), scaled to length sqrt(raw_weight): the full
-    # score becomes cosine of the learned embeddings + raw_weight x cosine of the centred
-    # features; d-prefixes with d <= L stay the learned modes alone. 0: none. Chosen on
-    # validation (README)
-    raw_dims: int = 256
-    raw_weight: float = 1.0
-    # after training, both heads' coordinates reordered by decreasing estimated singular
-    # value (the CDK's Rayleigh quotients on the training set), so coordinate l is the mode
-    # with the l-th largest; the order as trained and a held-out check of the sorted order
-    # are reported (metrics.json). Retrieval at full dimension is unchanged (README)
-    sort_modes: bool = True
-    # optimisation
-    # 200 epochs with weight decay: the top-32 modes near sorted, validation mAP kept (README)
+    modes: int = 256  # learned singular functions per modality (the paper: 512)
+    hidden: int = 1024  # the heads' hidden units (one hidden layer; the paper: 8192)
+    mu: float = 16.0  # the heads' output norm cap ||f(x)|| <= mu (the paper's)
+    # SGD with momentum, cosine lr to 0 over the run, gradient norm clipped (0: not):
+    # the paper's optimiser. 200 epochs with weight decay: the top-32 modes near sorted,
+    # validation mAP kept
     epochs: int = 200
     batch_size: int = 512
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 5e-3
-    grad_clip: float = 1.0  # max global grad norm; 0 disables
+    grad_clip: float = 1.0
     seed: int = 0
-    # evaluation and output
     k: int = 10  # P@k; sketchy-mini has 25 photos per class, so P@10 there (paper: P@100)
-    # gallery smoothing (training/cdk/model/smoothing.py): each photo embedding averaged with its
-    # smooth_k nearest gallery photos, smooth_rounds times, their mean weighted smooth_weight
-    # against itself; chosen on the validation classes (README). Evaluation reports it beside
-    # the plain embeddings, and index.build stores smoothed photos with these values.
-    # smooth_k 0 turns it off (instance-level retrieval wants the exact photo).
+
+    # -- the product's additions (each chosen on validation classes)
+    # global pooling of the trunk's maps: avg | gem (generalised mean, p = 3)
+    pooling: str = "gem"
+    # photo features averaged with those of the mirrored photo (twice the backbone's cost
+    # per photo, once, at training and indexing)
+    photo_flip_average: bool = True
+    # ... and sketch features (twice the cost of every query). With the input dropout it
+    # adds nothing on validation, so queries take one backbone pass
+    sketch_flip_average: bool = False
+    # dropout of the heads' standardised input features while training (embedding is
+    # unaffected)
+    input_dropout: float = 0.3
+    # embeddings scaled to unit length wherever they are used for retrieval (evaluation,
+    # index, service), so the full score is a cosine; the learned functions and their
+    # singular values are not
+    unit_embeddings: bool = True
+    # raw_dims coordinates appended after the learned modes: the backbone features centred
+    # per modality and projected on their top raw_dims principal axes (fit on the training
+    # features of both), scaled to length sqrt(raw_weight). The full score becomes the
+    # learned cosine + raw_weight x the cosine of the centred features; d-prefixes with
+    # d <= modes stay the learned modes alone. 0: none. Frozen backbones only
+    raw_dims: int = 256
+    raw_weight: float = 1.0
+    # after training, both heads' coordinates reordered by decreasing estimated singular
+    # value (the CDK's Rayleigh quotients on the training set), so coordinate l is the mode
+    # with the l-th largest; metrics.json keeps the order as trained and a held-out check
+    sort_modes: bool = True
+    # gallery smoothing (model.smoothing): each photo embedding averaged with its smooth_k
+    # nearest gallery photos, smooth_rounds times, their mean weighted smooth_weight against
+    # itself. Evaluation reports it beside the plain embeddings, and index.build stores the
+    # smoothed photos. 0 turns it off (instance-level retrieval wants the exact photo)
     smooth_k: int = 10
     smooth_weight: float = 4.0
     smooth_rounds: int = 2
-    gallery_queries: int = 6
-    gallery_topk: int = 8
+
+    # -- fine-tuning the backbones with the heads (else cached frozen features). Every
+    # BatchNorm layer keeps its pretrained statistics
+    finetune: bool = False
+    backbone_lr: float = 1e-4  # SGD lr of the backbones
+    trainable_stages: int = 0  # the last K stages (and the backbone's head) train; 0: all
+    augment: bool = False  # random crops/flips (+ affine sketches, colour-jittered photos)
+    workers: int = 0  # DataLoader processes decoding images; 0: the main one
+
+    # -- the run
+    cache_dir: str = ".cache/cdk-features"  # backbone features (and trunk activations)
     out: str = "runs/cdk"
     threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    gallery_queries: int = 6  # gallery.png: query rows
+    gallery_topk: int = 8  # gallery.png: photos per row
     preset: str = "cpu"  # the preset these values started from (set by make_config)
 
 
@@ -133,11 +130,12 @@ PRESETS: dict[str, dict] = {
         "neuralsvd-seq": {"lr": 0.005, "nesting_weights": "uniform"},
         "lora": {"nesting_weights": "uniform"},
     },
-    # Section 4.2 / appendix: MLP 8192 -> 512, mu 16, SGD 5e-3 m 0.9 cosine, batch 4096,
-    # 10 epochs, clipped gradients, uniform nesting weights; P@100 as reported on full
-    # Sketchy.
+    # Section 4.2 and its appendix, and nothing else: frozen VGG16 features (512-d, pooled
+    # conv5) as the heads' input, an MLP 8192 -> 512, mu 16, SGD 5e-3 with momentum 0.9 and
+    # a cosine schedule, batch 4096, 10 epochs, uniform nesting weights, P@100; gradients
+    # clipped at norm 1 as the published code does. None of the product's additions.
     "paper": {
-        "L": 512,
+        "modes": 512,
         "hidden": 8192,
         "batch_size": 4096,
         "epochs": 10,
@@ -146,35 +144,52 @@ PRESETS: dict[str, dict] = {
         "nesting_weights": "uniform",
         "k": 100,
         "backbone": "vgg16",
-        "finetune": True,
-        "flip_average": False,
         "pooling": "avg",
+        "photo_flip_average": False,
         "input_dropout": 0.0,
         "unit_embeddings": False,
         "raw_dims": 0,
         "sort_modes": False,
-        "workers": 8,
+        "smooth_k": 0,
     },
 }
 DEFAULT_PRESET = "cpu"
+# Why a preset, in one line each (printed before a run).
+PRESET_REASONS = {
+    "cpu": "the default: frozen EfficientNet-Lite1 features and the product's additions, "
+           "chosen on validation classes; minutes on a CPU, seconds on a GPU",
+    "paper": "the paper's setting (section 4.2): frozen VGG16 features, batch 4096, "
+             "10 epochs; sized for the full Sketchy Extended data",
+}
 
-# Fields that older checkpoints lack, with the value they were trained with where today's
-# default differs (joint nesting used uniform weights before the field existed; their
-# indexes were built without gallery smoothing, from average-pooled features of the image
-# alone; their heads were trained without input dropout; flip_average averaged sketches too;
-# their embeddings were used as the heads return them, with no raw coordinates; their
-# modes kept the order they were trained in).
-LEGACY = {"nesting_weights": "uniform", "smooth_k": 0, "flip_average": False, "pooling": "avg",
-          "input_dropout": 0.0, "flip_average_sketches": True, "unit_embeddings": False,
-          "raw_dims": 0, "sort_modes": False}
+
+# Fewer optimiser steps than this in a whole run do not train the heads: the paper's
+# setting makes ~140 on the full Sketchy Extended data (~60,000 training sketches in batches
+# of 4096, 10 epochs), the cpu preset 800 on sketchy-mini's 2,350, the paper's setting 10
+# there.
+MIN_STEPS = 100
+
+
+def fit_warnings(cfg: Config, sketches: int) -> list[str]:
+    """One line per way ``cfg`` does not fit a training set of ``sketches`` sketches."""
+    per_epoch = max(1, sketches // cfg.batch_size)
+    if per_epoch * cfg.epochs >= MIN_STEPS:
+        return []
+    fix = "a smaller --batch-size or more --epochs" + (
+        "" if cfg.preset == DEFAULT_PRESET else f", or --preset {DEFAULT_PRESET}")
+    return [f"preset {cfg.preset} (batch {cfg.batch_size}, {cfg.epochs} epochs) does not fit "
+            f"these data: {sketches} training sketches make {per_epoch} step(s) an epoch, "
+            f"{per_epoch * cfg.epochs} in all (fewer than {MIN_STEPS} do not train the "
+            f"heads); pass {fix}"]
 
 
 def nesting_weights(cfg: Config):
-    """The w_l of joint nesting for ``cfg`` (None: nesting_masks' uniform default)."""
+    """The w_l of joint nesting for ``cfg``: (modes,) float64, or None (nesting_masks'
+    uniform default)."""
     if cfg.nesting_weights == "harmonic":
         import torch  # local: keep config import light
 
-        return 1.0 / torch.arange(1, cfg.L + 1, dtype=torch.float64)
+        return 1.0 / torch.arange(1, cfg.modes + 1, dtype=torch.float64)
     return None
 
 
@@ -185,67 +200,67 @@ def smoothing(cfg: Config):
     return Smoothing(cfg.smooth_k, cfg.smooth_weight, cfg.smooth_rounds)
 
 
-def _check(cfg: Config) -> Config:
-    if cfg.preset not in PRESETS:
-        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {cfg.preset!r}")
-    if cfg.method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {cfg.method!r}")
-    if cfg.nesting_weights not in NESTING_WEIGHTS:
-        raise ValueError(f"nesting_weights must be one of {NESTING_WEIGHTS}, "
-                         f"got {cfg.nesting_weights!r}")
+def _check_choices(cfg: Config) -> None:
+    from .model.backbones import BACKBONES, check_pooling  # local: keep config import light
+
+    for name, choices in (("preset", tuple(PRESETS)), ("method", METHODS),
+                          ("nesting_weights", NESTING_WEIGHTS), ("pairing", PAIRINGS),
+                          ("backbone", tuple(sorted(BACKBONES)))):
+        if getattr(cfg, name) not in choices:
+            raise ValueError(f"{name} must be one of {choices}, got {getattr(cfg, name)!r}")
     if cfg.nesting_weights != "uniform" and cfg.method != "neuralsvd-jnt":
         raise ValueError(f"nesting_weights={cfg.nesting_weights!r} applies to neuralsvd-jnt "
                          f"only, not {cfg.method!r}")
-    if cfg.pairing not in PAIRINGS:
-        raise ValueError(f"pairing must be one of {PAIRINGS}, got {cfg.pairing!r}")
-    from .model.backbones import BACKBONES, check_pooling  # local: keep config import light
-
-    if cfg.backbone not in BACKBONES:
-        raise ValueError(f"backbone must be one of {sorted(BACKBONES)}, got {cfg.backbone!r}")
     check_pooling(cfg.pooling)
-    if cfg.bn not in BN_POLICIES:
-        raise ValueError(f"bn must be one of {BN_POLICIES}, got {cfg.bn!r}")
-    # what only frozen backbones have, and what to pass instead with --finetune
-    frozen_only = {"flip_average": "--flip-average false (fine-tuning augments with flips)",
-                   "feature_views": "--feature-views 0 (fine-tuning augments with --augment)",
+
+
+def _check_finetune(cfg: Config) -> None:
+    """What only frozen backbones have, and the flag to pass instead with --finetune."""
+    frozen_only = {"photo_flip_average": "--photo-flip-average false (fine-tuning augments "
+                                         "with flips)",
+                   "sketch_flip_average": "--sketch-flip-average false",
                    "raw_dims": "--raw-dims 0"}
     for name, instead in frozen_only.items():
         if cfg.finetune and getattr(cfg, name):
             raise ValueError(f"{name} applies to frozen backbones; pass {instead} with "
                              "--finetune")
-    if cfg.flip_average_sketches and not cfg.flip_average:
-        raise ValueError("flip_average_sketches averages sketches as well as photos; it needs "
-                         "--flip-average true")
+    if cfg.finetune:
+        from .model.backbones import BACKBONES  # local: keep config import light
+
+        count = BACKBONES[cfg.backbone].stage_count
+        if cfg.trainable_stages > count:
+            raise ValueError(f"trainable_stages must be <= {count} for {cfg.backbone}, "
+                             f"got {cfg.trainable_stages}")
+
+
+def _check_numbers(cfg: Config) -> None:
     if cfg.raw_dims and not cfg.unit_embeddings:
         raise ValueError("raw_dims weighs a cosine against the unit-length embeddings; it "
                          "needs --unit-embeddings true (or --raw-dims 0)")
-    if not cfg.raw_weight > 0:
-        raise ValueError(f"raw_weight must be positive, got {cfg.raw_weight!r}")
-    for name in ("trainable_stages", "workers", "head_epochs", "image_size", "feature_views",
-                 "raw_dims"):
+    for name in ("trainable_stages", "workers", "image_size", "raw_dims"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)!r}")
-    if cfg.image_size == 0:  # resolved here, so every consumer and checkpoint sees the size
-        from .model.backbones import NATIVE_SIZE
-
-        cfg = dataclasses.replace(cfg, image_size=NATIVE_SIZE[cfg.backbone])
-    if cfg.finetune:
-        from .finetune import STAGES  # local: keep config import light
-
-        if cfg.trainable_stages > STAGES[cfg.backbone]:
-            raise ValueError(f"trainable_stages must be <= {STAGES[cfg.backbone]} for "
-                             f"{cfg.backbone}, got {cfg.trainable_stages}")
-    for name in ("L", "hidden", "epochs", "batch_size", "image_size", "k"):
+    for name in ("modes", "hidden", "epochs", "batch_size", "k"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)!r}")
     if cfg.batch_size < 2:
         raise ValueError(f"batch_size must be >= 2 (the CDK estimator), got {cfg.batch_size}")
-    smoothing(cfg)  # its own checks name the bad value
     if not 0.0 <= cfg.input_dropout < 1.0:
         raise ValueError(f"input_dropout must be in [0, 1), got {cfg.input_dropout!r}")
-    for name in ("lr", "mu", "head_lr"):
+    for name in ("lr", "mu", "raw_weight"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name} must be positive, got {getattr(cfg, name)!r}")
+    smoothing(cfg)  # its own checks name the bad value
+
+
+def _check(cfg: Config) -> Config:
+    _check_choices(cfg)
+    _check_finetune(cfg)
+    _check_numbers(cfg)
+    if cfg.image_size == 0:  # resolved here, so every consumer and checkpoint sees the size
+        from .model.backbones import BACKBONES
+
+        cfg = dataclasses.replace(cfg, image_size=BACKBONES[cfg.backbone].native_size)
     return cfg
 
 
@@ -270,8 +285,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
                     f"(defaults: the {DEFAULT_PRESET} preset).",
         presets=PRESETS,
         default_preset=DEFAULT_PRESET,
-        choices={"method": METHODS, "pairing": PAIRINGS, "nesting_weights": NESTING_WEIGHTS,
-                 "bn": BN_POLICIES},
+        choices={"method": METHODS, "pairing": PAIRINGS, "nesting_weights": NESTING_WEIGHTS},
         required=("data",),
     )
     cfg = cli.parse(parser, make_config, argv)
@@ -286,13 +300,14 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def from_dict(d: dict) -> Config:
-    """Rebuild a Config stored in a checkpoint (fields added later get the value older runs
-    were trained with, else their defaults; keys that are no field are ignored)."""
-    names = {f.name for f in fields(Config)}
-    return Config(**{**LEGACY, **{k: v for k, v in d.items() if k in names}})
-
-
-def sketch_flip_average(cfg: Config) -> bool:
-    """Whether ``cfg`` averages sketch features with their mirror image's."""
-    return cfg.flip_average and cfg.flip_average_sketches
+def from_dict(d: dict, source: str = "config") -> Config:
+    """Rebuild the Config stored in a checkpoint (keys that are no field, such as
+    ``untrained``, are ignored). A field missing means the file was written by other
+    code: a ValueError naming ``source`` says to retrain."""
+    names = [f.name for f in dataclasses.fields(Config)]
+    missing = [n for n in names if n not in d]
+    if missing:
+        raise ValueError(f"{source} lacks the config fields {missing[:6]}: it was written "
+                         "by an earlier version of training.cdk; retrain it with "
+                         "python -m training.cdk")
+    return Config(**{n: d[n] for n in names})

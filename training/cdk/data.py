@@ -99,6 +99,11 @@ class PairSampler:
             if photo_of is None:
                 raise ValueError("instance pairing needs photo_of (Dataset.instance_pairs())")
             self.photo_of = torch.as_tensor(np.asarray(photo_of), dtype=torch.long)
+            if len(self.photo_of) != len(self.sketch_labels) or (
+                    len(self.photo_of) and not 0 <= int(self.photo_of.min())
+                    <= int(self.photo_of.max()) < len(photo_labels)):
+                raise ValueError(f"photo_of must give each of the {len(self.sketch_labels)} "
+                                 f"sketches a photo index in [0, {len(photo_labels)})")
             return
         n_cls = int(max(self.sketch_labels.max(), photo_labels.max())) + 1
         # Photos grouped by class: the photos of class c are order[start[c]:start[c]+count[c]].
@@ -126,7 +131,9 @@ class PairSampler:
                              f"{len(g)} photo rows for {len(p_idx)} indices")
         f, g = f.double(), g.double()
         if self.pairing == "instance":
-            row = torch.full((int(self.photo_of.max()) + 1,), -1, dtype=torch.long)
+            # position of each photo among the given rows, -1 where absent; sized by every
+            # photo of the set, not only those some sketch was drawn from
+            row = torch.full((len(self.photo_labels),), -1, dtype=torch.long)
             row[p_idx.long()] = torch.arange(len(p_idx))
             partner = row[self.photo_of[s_idx.long()]]
             keep = partner >= 0
@@ -153,7 +160,7 @@ class PairSampler:
                  else torch.as_tensor(photo_idx).long())
         p_half = _alternate(self.photo_labels[p_idx])
         if self.pairing == "instance":
-            half_of = torch.full((int(self.photo_of.max()) + 1,), -1, dtype=torch.long)
+            half_of = torch.full((len(self.photo_labels),), -1, dtype=torch.long)
             half_of[p_idx] = p_half
             s_half = half_of[self.photo_of[s_idx]]  # -1: its photo is not among the rows
         else:

@@ -2,9 +2,9 @@
 splits into a frozen trunk and trainable stages, the BatchNorm policy, the images of each
 step (decoded and augmented by a seeded DataLoader), and the trunk-activation cache.
 
-Stages: the blocks of an EfficientNet-Lite (``net._blocks``; the final 1x1 conv and its
-BN train with them) and the five max-pool-delimited conv stages of VGG16.
-``trainable_stages = K`` trains the last K; 0 trains the whole backbone.
+The stages are the backbone's own (``model.backbones.BackboneSpec.stages``: the blocks of
+an EfficientNet-Lite, whose final 1x1 conv trains with them; the five conv stages of
+VGG16). ``trainable_stages = K`` trains the last K; 0 trains the whole backbone.
 """
 
 from __future__ import annotations
@@ -20,83 +20,58 @@ from tqdm import tqdm
 from training.images import ImageError, images_to_tensor, load_image
 
 from .features import cache_key, cached_tensor
-from .model.backbones import Backbone
+from .model.backbones import Backbone, spec_of
 
-__all__ = ["STAGES", "Split", "set_train_mode", "validate_images", "StepImages",
-           "step_loader", "trunk_cache"]
-
-STAGES = {"efficientnet-lite0": 16, "efficientnet-lite1": 21, "efficientnet-lite2": 21,
-          "vgg16": 5}
+__all__ = ["Split", "set_train_mode", "validate_images", "StepImages", "step_loader",
+           "trunk_cache"]
 
 
 class Split:
-    """``module`` (a backbones.PooledFeatures) as tail(trunk(x)) == module(x), with the
-    last ``K`` stages in the tail (K = 0: the trunk is the identity)."""
+    """``module`` (a backbones.PooledFeatures of backbone ``name``) as
+    tail(trunk(x)) == module(x), with the last ``K`` of the backbone's stages (and its
+    head) in the tail (K = 0: the trunk is the identity and the whole backbone trains)."""
 
     def __init__(self, module: nn.Module, name: str, K: int):
-        if name not in STAGES:
-            raise ValueError(f"no stage split for backbone {name!r}")
-        if not 0 <= K <= STAGES[name]:
-            raise ValueError(f"trainable_stages must be in 0..{STAGES[name]} for {name}, got {K}")
+        spec = spec_of(name)
+        if not 0 <= K <= spec.stage_count:
+            raise ValueError(f"trainable_stages must be in 0..{spec.stage_count} for {name}, "
+                             f"got {K}")
         self.module, self.name, self.K = module, name, K
-        inner = module.trunk
-        if name.startswith("efficientnet"):
-            net = inner.net
-            self._net = net
-            first = len(net._blocks) - K
-            self._first = first
-            self.frozen = ([] if K == 0 else
-                           [net._conv_stem, net._bn0, *list(net._blocks)[:first]])
-        else:  # VGG16: nn.Sequential, a stage ends at each max-pool
-            pools = [i for i, m in enumerate(inner) if isinstance(m, nn.MaxPool2d)]
-            self._start = 0 if K == 0 else pools[len(pools) - K - 1] + 1
-            self.frozen = list(inner)[: self._start]
+        stages = spec.stages(module.trunk)
+        first = len(stages.blocks) - K
+        # the modules that stay fixed: they hold the trunk's own layers
+        self.frozen = [] if K == 0 else [stages.stem, *stages.blocks[:first]]
+        self._tail = [*stages.blocks[first:], stages.head]
 
     def freeze(self) -> None:
         """The trunk's parameters stop receiving gradients."""
         for m in self.frozen:
             m.requires_grad_(False)
 
-    def _lite_blocks(self, x, lo, hi):
-        net = self._net
-        for idx in range(lo, hi):
-            rate = net._global_params.drop_connect_rate
-            if rate:
-                rate *= float(idx) / len(net._blocks)  # as in the network's own forward
-            x = net._blocks[idx](x, drop_connect_rate=rate)
-        return x
-
     def trunk(self, x: torch.Tensor) -> torch.Tensor:
         """(N, 3, H, W) images -> the input of the trainable stages."""
-        if self.K == 0:
-            return x
-        if self.name.startswith("efficientnet"):
-            net = self._net
-            x = net._swish(net._bn0(net._conv_stem(x)))
-            return self._lite_blocks(x, 0, self._first)
-        return self.module.trunk[: self._start](x)
+        for m in self.frozen:
+            x = m(x)
+        return x
 
     def tail(self, x: torch.Tensor) -> torch.Tensor:
         """The trunk's output -> (N, D) pooled features."""
         if self.K == 0:
             return self.module(x)
-        if self.name.startswith("efficientnet"):
-            net = self._net
-            x = self._lite_blocks(x, self._first, len(net._blocks))
-            return self.module.pool(net._swish(net._bn1(net._conv_head(x))))
-        return self.module.pool(self.module.trunk[self._start :](x))
+        for m in self._tail:
+            x = m(x)
+        return self.module.pool(x)
 
 
-def set_train_mode(module: nn.Module, split: Split, bn: str) -> None:
-    """Training mode for the trainable stages only; BatchNorm layers stay in eval mode
-    (pretrained running statistics) under bn == "frozen"."""
+def set_train_mode(module: nn.Module, split: Split) -> None:
+    """Training mode for the trainable stages only; every BatchNorm layer stays in eval
+    mode with the pretrained running statistics (its affine weights still train)."""
     module.train()
     for m in split.frozen:
         m.eval()
-    if bn == "frozen":
-        for m in module.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                m.eval()
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
 
 
 def validate_images(files, desc: str = "checking images") -> None:

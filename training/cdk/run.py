@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 from training.files import atomic_write_text
 
 from . import distributed
-from .config import Config, sketch_flip_average, smoothing, to_dict
+from .config import Config, fit_warnings, smoothing, to_dict
 from .data import Dataset, scan
 from .features import extract_features
 from .metrics import (
@@ -33,43 +34,89 @@ from .model.smoothing import smooth
 from .plots import plot_gallery, plot_spectrum, plot_structure
 from .splits import split_classes
 from .train import TrainData, TrainResult, train
-from .views import view_features
 
-__all__ = ["run", "load_data", "embed_features", "embed_dataset", "retrieval_embeddings",
-           "Evaluation", "evaluate", "evaluate_valid", "metrics_json"]
+__all__ = ["run", "estimate_text", "load_data", "embed_features", "embed_dataset",
+           "retrieval_embeddings", "Evaluation", "evaluate", "evaluate_valid", "metrics_json"]
 
 log = logging.getLogger(__name__)
 
 
-def run(cfg: Config) -> dict:
+def run(cfg: Config, say: Callable[[str], None] = log.info) -> dict:
     """Train and evaluate per ``cfg``; returns the metrics written to out/metrics.json
-    (an empty dict on the ranks other than 0 of a multi-process run)."""
+    (an empty dict on the ranks other than 0 of a multi-process run). Before the first
+    step: a warning when the preset does not fit the data's size, OUT/config.json, and
+    the run's estimated time through ``say``."""
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     device = distributed.init_from_env()
     out = Path(cfg.out)
     split, tr, va, te = load_data(cfg)
-    bb = build_backbone(cfg.backbone, cfg.backbone_weights or None, cfg.flip_average,
+    for line in fit_warnings(cfg, len(tr.sketches)):
+        log.warning(line)
+    if distributed.rank_and_world()[0] == 0:
+        atomic_write_text(json.dumps(to_dict(cfg), indent=2), out / "config.json")
+    bb = build_backbone(cfg.backbone, cfg.backbone_weights or None, cfg.photo_flip_average,
                         cfg.pooling)
-    # one trunk; the sketches are mirror-averaged only with flip_average_sketches
-    bbs = {"sketch": with_flip_average(bb, sketch_flip_average(cfg)), "photo": bb}
+    # one trunk; the sketches are mirror-averaged only with sketch_flip_average
+    bbs = {"sketch": with_flip_average(bb, cfg.sketch_flip_average), "photo": bb}
+    t0 = time.perf_counter()
     # rank 0 fills the feature cache, the other ranks then read it
     tr_s, tr_p = distributed.main_first(
         lambda: (_features(cfg, bbs["sketch"], tr.sketches, "train sketches", device),
                  _features(cfg, bb, tr.photos, "train photos", device)))
-    views = (None, None)
-    if cfg.feature_views > 0:
-        views = distributed.main_first(lambda: tuple(
-            view_features(files, mod, bbs[name], cfg.image_size, cfg.feature_views, cfg.seed,
-                          cfg.cache_dir or None, device=device, desc=f"train {name} views")
-            for mod, (name, files) in enumerate((("sketch", tr.sketches),
-                                                 ("photo", tr.photos)))))
+    later = _evaluation_features_first(cfg, bbs, (va, te), device)
+    per_image = (time.perf_counter() - t0) / max(1, len(tr.sketches) + len(tr.photos) + (
+        0 if later else sum(len(d.sketches) + len(d.photos) for d in (va, te))))
     t0 = time.perf_counter()
-    res = train(cfg, _train_data(cfg, tr, tr_s, tr_p, *views), bb, out, device=device)
+    res = train(cfg, _train_data(cfg, tr, tr_s, tr_p), bb, out, device=device,
+                estimate=lambda *a: say(estimate_text(*a, later * per_image)))
     train_seconds = time.perf_counter() - t0
     if distributed.rank_and_world()[0] != 0:
         distributed.shutdown()  # waits for rank 0's evaluation
         return {}
+    metrics = _evaluate_and_write(cfg, bbs, res, split, va, te, tr_s, tr_p, device,
+                                  train_seconds)
+    distributed.shutdown()
+    return metrics
+
+
+def _evaluation_features_first(cfg: Config, bbs: dict, sets, device) -> int:
+    """Frozen backbones with a feature cache: the validation and test images' features
+    computed now (evaluation then reads them from the cache), so that what remains after
+    the first step can be estimated. Returns how many images are left for evaluation to
+    embed with its backbones (fine-tuned ones, or no cache to keep them in)."""
+    count = sum(len(d.sketches) + len(d.photos) for d in sets)
+    if cfg.finetune or not cfg.cache_dir:
+        return count
+    for d, name in zip(sets, ("valid", "test"), strict=True):
+        distributed.main_first(lambda d=d, name=name: [
+            _features(cfg, bbs[m], files, f"{name} {m}s", device)
+            for m, files in (("sketch", d.sketches), ("photo", d.photos))])
+    return 0
+
+
+def estimate_text(steps: int, step_s: float, epochs: int, spectrum_s: float,
+                  features_s: float) -> str:
+    """The run's time after its features, before its first step: training from a step and
+    a spectrum pass measured on this machine, and the evaluation images still to embed at
+    the rate the features took (none left on the frozen path with a cache; evaluation's
+    own arithmetic is small beside them)."""
+    train_s = steps * step_s + epochs * spectrum_s
+    return (f"estimated time from here: {_duration(train_s + features_s)} (training "
+            f"{_duration(train_s)}: {steps} steps x {step_s:.3f} s and {epochs} spectrum "
+            f"passes x {spectrum_s:.3f} s, measured here; evaluation features "
+            f"{_duration(features_s)})")
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(round(seconds), 60)
+    return f"{minutes} min {s} s" if minutes else f"{s} s"
+
+
+def _evaluate_and_write(cfg: Config, bbs: dict, res: TrainResult, split: dict, va: Dataset,
+                        te: Dataset, tr_s, tr_p, device, train_seconds: float) -> dict:
+    """Evaluation on the test and validation classes, metrics.json and the plots."""
+    out = Path(cfg.out)
     ev = evaluate(cfg, bbs, res, te, tr_s, tr_p, device)
     valid = evaluate_valid(cfg, bbs, res, va, device)
     log.info("mAP@all: valid %s, test %.4f (choose settings on valid)",
@@ -82,7 +129,6 @@ def run(cfg: Config) -> dict:
     metrics = metrics_json(cfg, split, te, res, ev, train_seconds, valid)
     atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")
     write_plots(cfg, te, res, ev, out)
-    distributed.shutdown()
     return metrics
 
 
@@ -108,16 +154,15 @@ def _features(cfg: Config, bb: Backbone, files, desc: str, device,
                             device=device, desc=desc)
 
 
-def _train_data(cfg: Config, tr: Dataset, tr_s: torch.Tensor, tr_p: torch.Tensor,
-                sketch_views=None, photo_views=None) -> TrainData:
+def _train_data(cfg: Config, tr: Dataset, tr_s: torch.Tensor, tr_p: torch.Tensor) -> TrainData:
     return TrainData(tr_s, tr_p, tr.sketch_labels, tr.photo_labels,
                      tr.instance_pairs() if cfg.pairing == "instance" else None,
-                     list(tr.sketches), list(tr.photos), sketch_views, photo_views)
+                     list(tr.sketches), list(tr.photos))
 
 
 @torch.no_grad()
 def embed_features(head, feats: torch.Tensor, device) -> torch.Tensor:
-    """(N, D) features -> (N, L) embeddings with ``head`` in chunks, on the CPU."""
+    """(N, D) features -> (N, modes) head outputs with ``head`` in chunks, on the CPU."""
     head.eval()
     return torch.cat([head(feats[i : i + 8192].to(device)).float().cpu()
                       for i in range(0, len(feats), 8192)])
@@ -127,9 +172,9 @@ def embed_features(head, feats: torch.Tensor, device) -> torch.Tensor:
 class Evaluation:
     """What the test classes say about a trained model, and the raw-feature baselines."""
 
-    f: torch.Tensor  # (Qs, L) test sketch embeddings, as retrieval uses them
-    g: torch.Tensor  # (Np, L) test photo embeddings, as retrieval uses them
-    full: dict  # retrieval metrics with all L modes
+    f: torch.Tensor  # (Qs, width) test sketch embeddings, as retrieval uses them
+    g: torch.Tensor  # (Np, width) test photo embeddings, as retrieval uses them
+    full: dict  # retrieval metrics with the whole embedding
     curves: dict  # {"most", "least"}: d -> metrics (structure_curves)
     raw: dict  # cosine retrieval on the pretrained backbone's features
     raw_pca: dict  # {"cosine", "inner"}: d -> metrics on their top-d principal axes
@@ -142,7 +187,7 @@ class Evaluation:
 def embed_dataset(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, ds: Dataset,
                   name: str, device
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(f (Qs, L), g (Np, L), x_s (Qs, D), x_p (Np, D)): the trained heads' outputs on
+    """(f (Qs, modes), g (Np, modes), x_s (Qs, D), x_p (Np, D)): the trained heads' outputs on
     ``ds`` (the learned functions, before ``retrieval_embedding``) and the backbone features
     they were computed from (the fine-tuned backbones' when there are any, else the
     pretrained ones of ``bbs``, per modality); ``name`` labels the progress."""
@@ -160,7 +205,7 @@ def retrieval_embeddings(cfg: Config, res: TrainResult, fn: torch.Tensor, gn: to
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """What retrieval scores (as the Embedder embeds): the heads' outputs fn, gn (N, L)
     through ``model.embedding`` (unit length, then the raw coordinates of the backbone features
-    x_s, x_p when the run has them): (N, L + raw_dims) each."""
+    x_s, x_p when the run has them): (N, modes + raw_dims) each."""
     raw = res.raw or {}
     with torch.no_grad():
         return tuple(embedding(z, x.float().cpu(), cfg.unit_embeddings,
@@ -177,7 +222,7 @@ def evaluate(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, te: Datase
     fn, gn, te_s, te_p = embed_dataset(cfg, bbs, res, te, "test", device)
     f, g = retrieval_embeddings(cfg, res, fn, gn, te_s, te_p)
     labels = (te.sketch_labels, te.photo_labels)
-    L = cfg.L  # the curves are those of the learned modes' prefixes
+    L = cfg.modes  # the curves are those of the learned modes' prefixes
     curves = structure_curves(f[:, :L], g[:, :L], *labels, cfg.k)
     if res.backbones is not None:  # the baseline is the pretrained backbone, not the tuned one
         te_s = _features(cfg, bbs["sketch"], te.sketches, "test sketches", device)
@@ -206,7 +251,7 @@ def evaluate_valid(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, va: 
     fn, gn, x_s, x_p = embed_dataset(cfg, bbs, res, va, "valid", device)
     f, g = retrieval_embeddings(cfg, res, fn, gn, x_s, x_p)
     labels = (va.sketch_labels, va.photo_labels)
-    L = cfg.L
+    L = cfg.modes
     most = structure_curves(f[:, :L], g[:, :L], *labels, cfg.k)["most"]
     return {
         **retrieval_metrics(f, g, *labels, cfg.k),

@@ -1,5 +1,6 @@
-"""python -m training.pde PROBLEM [--method M] [--preset paper|cpu] [--iterations N]
-[--batch-size B] [--seed S] [--out DIR] [--ndim D] (and any other Config field)."""
+"""python -m training.pde PROBLEM [--preset auto|paper|cpu] [--method M] [--iterations N]
+[--batch-size B] [--seed S] [--out DIR] [--ndim D] (and any other Config field);
+python -m training.pde schrodinger --potential package.module:function --ndim D ..."""
 
 from __future__ import annotations
 
@@ -19,27 +20,28 @@ def _main(argv: list[str]) -> int:
     tune_allocator()
     config = parse_args(argv)
     m = run(config)
-    print(
-        f"{m['problem']} {m['method']}: {m['iterations']} steps in {m['seconds']:.0f}s; "
-        f"rel_error_mean {m['rel_error_mean']:.3g}, "
-        f"subspace_distance_mean {m['subspace_distance_mean']:.3g}, "
-        f"orthogonality {m['orthogonality']:.3g}{_surplus(m)}; wrote {config.out}/metrics.json"
-    )
+    print(f"{m['problem']} {m['method']} ({m['preset'] or 'no'} preset): {m['iterations']} "
+          f"steps in {m['seconds']:.0f}s; {_measures(m)}; wrote {config.out}/metrics.json")
     if m["ritz"] is not None:
         r = m["ritz"]
-        print(f"after Rayleigh-Ritz ({r['samples']} samples): rel_error_mean "
-              f"{r['rel_error_mean']:.3g}, subspace_distance_mean "
-              f"{r['subspace_distance_mean']:.3g}, order_correct {r['order_correct']}"
-              f"{_surplus(r)}")
+        print(f"after Rayleigh-Ritz ({r['samples']} samples): {_measures(r)}")
     return 0
 
 
-def _surplus(m: dict) -> str:
-    """The largest norm among the modes beyond the evaluated ones (the oscillator's surplus
-    modes, which should have norm ~0), when there are any."""
+def _measures(m: dict) -> str:
+    """The summary measures that the problem's known spectrum allows, and the largest norm
+    among the modes beyond the evaluated ones (the oscillator's surplus modes, which should
+    have norm ~0), when there are any."""
+    keys = ["rel_error_mean", "subspace_distance_mean", "orthogonality", "order_correct"]
+    parts = [f"{k} {m[k]:.3g}" if isinstance(m[k], float) else f"{k} {m[k]}"
+             for k in keys if m[k] is not None]
+    if not m["eigenvalues_true"]:
+        parts.insert(0, "eigenvalues " + " ".join(f"{v:.4g}" for v in m["eigenvalues"]))
     n = len(m["eigenvalues_true"])
-    rest = [abs(v) for v in m["eigenvalues_norm"][n:]]
-    return f", largest surplus norm {max(rest):.2g}" if rest else ""
+    rest = [abs(v) for v in m["eigenvalues_norm"][n:]] if n else []
+    if rest:
+        parts.append(f"largest surplus norm {max(rest):.2g}")
+    return ", ".join(parts)
 
 
 if __name__ == "__main__":

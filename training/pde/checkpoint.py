@@ -4,6 +4,7 @@ the weights, their moving average (EMA, used for evaluation) and the state to re
 Layout (a dict of tensors and plain values, saved with torch.save, read with
 ``weights_only=True``)::
 
+    format: FORMAT (a file of another format is refused with a message saying so)
     config: Config as a dict (the model is rebuilt from it; loaders need no flags)
     step: int; seconds: float (training time so far)
     model, ema: state_dicts of DisjointMLPs
@@ -21,12 +22,13 @@ import torch
 from training.files import atomic_save
 from training.pde.config import Config, problem_of
 from training.pde.networks import DisjointMLPs
-from training.pde.problems import Problem
+from training.pde.schrodinger import Problem
 
 __all__ = ["CHECKPOINT", "build_model", "save_checkpoint", "load_checkpoint",
            "load_train_state", "check_resumable"]
 
 CHECKPOINT = "checkpoint.pt"
+FORMAT = 2  # 2: problems as Schrodinger operators (kinetic, shift None), "auto" arithmetic
 # settings that may differ between a run and its resumption (fused_update: the same update
 # to float rounding, for resuming where no compiler is at hand)
 RESUMABLE = frozenset({"resume", "threads", "device", "out", "checkpoint_every", "eval_points",
@@ -53,6 +55,7 @@ def save_checkpoint(path: str | Path, *, config: Config, step: int, seconds: flo
     """Write the training state atomically (layout in the module docstring)."""
     return atomic_save(
         {
+            "format": FORMAT,
             "config": dataclasses.asdict(config),
             "step": int(step),
             "seconds": float(seconds),
@@ -79,12 +82,15 @@ def load_train_state(path: str | Path, map_location="cpu") -> dict:
         raise ValueError(f"{str(path)!r} is not a training.pde checkpoint: {e}") from e
     if not isinstance(ckpt, dict) or not {"config", "ema", "step"} <= ckpt.keys():
         raise ValueError(f"{str(path)!r} is not a training.pde checkpoint (no config/ema/step)")
+    if ckpt.get("format") != FORMAT:
+        raise ValueError(f"{str(path)!r} is a training.pde checkpoint of format "
+                         f"{ckpt.get('format', 1)}, this version reads format {FORMAT}: "
+                         f"train it again")
     return ckpt
 
 
 def load_checkpoint(path: str | Path, map_location="cpu") -> tuple[Config, DisjointMLPs, dict]:
-    """(config, EMA model, the raw checkpoint): the model is rebuilt from the stored config
-    (fields it lacks, added since, take their defaults)."""
+    """(config, EMA model, the raw checkpoint): the model is rebuilt from the stored config."""
     ckpt = load_train_state(path, map_location)
     config = Config(**ckpt["config"])
     model = build_model(config, problem_of(config))
@@ -96,9 +102,7 @@ def check_resumable(saved: dict, config: Config) -> None:
     """ValueError listing the settings of ``config`` that differ from the stored ``saved``
     (a config dict), other than those a resumed run may change (``RESUMABLE``)."""
     now = dataclasses.asdict(config)
-    # a field added after the checkpoint was written holds its default there
-    saved = {**dataclasses.asdict(Config()), **saved}
-    diff = sorted(k for k in now if k not in RESUMABLE and saved[k] != now[k])
+    diff = sorted(k for k in now if k not in RESUMABLE and saved.get(k) != now[k])
     if diff:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in diff)
         raise ValueError(f"cannot resume: settings differ from the checkpoint ({detail})")

@@ -1,19 +1,26 @@
 """One frozen dataclass of settings for ``python -m training.pde``, its presets and the
-command line (training.cli: PROBLEM, then one dashed flag per field). The presets depend on
-the problem (the paper used different Fourier features and iteration counts per problem),
-so a preset is a function of it."""
+command line (training.cli: PROBLEM, then one dashed flag per field). A preset is a
+function of the problem: the base values here, then those the problem carries
+(``Problem.presets``: the paper used different Fourier features and iteration counts per
+problem). With no ``--preset`` the device decides: ``cpu`` on a CPU, ``paper`` on CUDA."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 from training import cli
+from training.device import pick_device
+from training.pde.arithmetic import FUSED_UPDATES, STENCIL_SETTINGS
 from training.pde.laplacian import LAPLACIANS
 from training.pde.methods import METHODS
-from training.pde.networks import STENCIL_PRECISIONS
-from training.pde.problems import PROBLEMS, Problem, make_problem
+from training.pde.problems import PROBLEMS, make_problem
+from training.pde.schrodinger import Problem
 
-__all__ = ["Config", "PRESETS", "batch_size_at", "preset", "problem_of", "parse_args"]
+__all__ = ["Config", "PRESETS", "batch_size_at", "preset", "problem_of", "parse_args",
+           "choose_preset"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -21,7 +28,16 @@ class Config:
     """Settings of one operator experiment; every field is a dashed flag."""
 
     problem: str = "hydrogen"
-    ndim: int = 2
+    ndim: int = 0  # 0: the problem's own (2 for hydrogen and the oscillator)
+    # the schrodinger problem (your own potential; see training.pde.schrodinger): V as
+    # package.module:function, the kinetic coefficient k of H = -k laplacian + V (0: 1/2),
+    # known lowest energies of H (ascending) and their eigenfunctions as
+    # package.module:function, for the measures
+    potential: str = ""
+    kinetic: float = 0.0
+    energies: list[float] = field(default_factory=list)
+    eigenfunctions: str = ""
+    preset: str = ""  # the preset these values started from (set by ``preset``)
     method: str = "neuralsvd-seq"
     n_modes: int = 0  # 0: the problem's L (16 hydrogen, 55 for the 2D oscillator)
     iterations: int = 500_000
@@ -35,14 +51,17 @@ class Config:
     fourier_features: int = 1024  # K
     fourier_scale: float = 0.1  # kappa
     hidden: int = 128
-    laplacian: str = "fd"  # "fd" (central differences) or "exact" (autograd)
+    # "fd" (central differences, eps fd_eps), "exact" (autograd) or "forward" (exact, the
+    # network's forward-mode derivatives: D + 2 products where fd needs 2D + 1)
+    laplacian: str = "fd"
     fd_eps: float = 0.01
-    # training steps' finite-difference stencil: "fp32", or "bf16" for its first layer's
-    # feature products (networks.DisjointMLPs.fd_stencil; ~5x faster on a CPU with AMX)
-    stencil_precision: str = "fp32"
-    # RMSprop and the EMA in one compiled pass per tensor (training.pde.update; CPU only,
-    # torch.compile, a C++ compiler the first time); the same update to float rounding
-    fused_update: bool = False
+    # the training steps' finite-difference stencil: "bf16" computes its first layer's
+    # feature products in bfloat16 (networks.DisjointMLPs.fd_stencil), "fp32" does not;
+    # "auto": bf16 where it is measured faster (training.pde.arithmetic)
+    stencil_precision: str = "auto"
+    # RMSprop and the EMA in one compiled pass per tensor (training.pde.update; the same
+    # update to float rounding): "auto" on a CPU where torch.compile works
+    fused_update: str = "auto"
     ema_decay: float = 0.995  # EMA of the parameters, used for evaluation
     spin_decay: float = 0.99  # SpIN's moving averages of Sigma and the Jacobian
     eval_points: int = 0  # 0: the problem's quadrature default
@@ -53,8 +72,9 @@ class Config:
     # a second Gaussian N(0, train_mix_std^2 I) drawing this share of the samples; 0: none
     train_mix_fraction: float = 0.0
     train_mix_std: float = 0.0
-    # the oscillator's c in T = laplacian - |x|^2 + c; 0: the problem's (16 in 2D)
-    shift: float = 0.0
+    # c in T = c - H (the oscillator's; a problem that takes none refuses it); None: the
+    # problem's own (16 for the 2D oscillator)
+    shift: float | None = None
     seed: int = 0
     checkpoint_every: int = 1000
     threads: int = 2  # torch CPU threads
@@ -64,13 +84,14 @@ class Config:
 
     def __post_init__(self):
         choices = {"problem": PROBLEMS, "method": METHODS, "laplacian": LAPLACIANS,
-                   "stencil_precision": STENCIL_PRECISIONS}
+                   "stencil_precision": STENCIL_SETTINGS, "fused_update": FUSED_UPDATES,
+                   "preset": ("", *PRESETS)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(
                     f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}"
                 )
-        for name in ["ndim", "iterations", "batch_size", "fourier_features", "hidden"]:
+        for name in ["iterations", "batch_size", "fourier_features", "hidden"]:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.batch_size < 2:
@@ -83,17 +104,15 @@ class Config:
         for name in ["ema_decay", "spin_decay"]:
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
-        if self.stencil_precision != "fp32" and self.laplacian != "fd":
+        if self.stencil_precision == "bf16" and self.laplacian != "fd":
             raise ValueError(f"stencil_precision {self.stencil_precision!r} applies to the fd "
                              f"Laplacian, not to {self.laplacian!r}")
         if self.ritz_samples < 0 or self.ritz_samples == 1:
             raise ValueError(f"ritz_samples must be 0 (none) or >= 2, got {self.ritz_samples!r}")
-        if self.shift < 0:
-            raise ValueError(f"shift must be >= 0 (0: the problem's), got {self.shift!r}")
-        if self.shift and self.problem != "oscillator":
-            raise ValueError(f"shift applies to the oscillator, not to {self.problem!r}")
-        if self.train_std < 0:
-            raise ValueError(f"train_std must be >= 0, got {self.train_std!r}")
+        for name in ["ndim", "train_std", "kinetic", "n_modes", "eval_points"]:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: the problem's), got "
+                                 f"{getattr(self, name)!r}")
         if not 0 <= self.train_mix_fraction < 1:
             raise ValueError(
                 f"train_mix_fraction must be in [0, 1), got {self.train_mix_fraction!r}")
@@ -108,72 +127,67 @@ class Config:
                              f", got {self.final_steps}, {self.final_batch_size}")
         if self.final_batch_size == 1:
             raise ValueError("final_batch_size must be >= 2, got 1")
-        if self.n_modes < 0 or self.eval_points < 0:
-            raise ValueError(
-                f"n_modes and eval_points must be >= 0, got {self.n_modes}, {self.eval_points}"
-            )
 
 
 def problem_of(config: Config) -> Problem:
-    """The problem a config trains and is evaluated on (its ndim; its sampling
-    distribution when set)."""
-    return make_problem(config.problem, config.ndim, config.train_std or None,
-                        config.train_mix_std, config.train_mix_fraction,
-                        config.shift or None)
+    """The problem a config trains and is evaluated on (its options: ndim, shift, the
+    custom potential's; its sampling distribution when set), with a number of modes."""
+    problem = make_problem(
+        config.problem, ndim=config.ndim or None, train_std=config.train_std or None,
+        mix_std=config.train_mix_std, mix_fraction=config.train_mix_fraction,
+        shift=config.shift, potential=config.potential or None,
+        kinetic=config.kinetic or None, energies=tuple(config.energies) or None,
+        eigenfunctions=config.eigenfunctions or None)
+    L = config.n_modes or problem.n_modes
+    if L < 1:
+        raise ValueError(f"the problem {problem.name!r} has no number of modes of its own: "
+                         f"give --n-modes L (or --energies)")
+    if L < problem.n_eval:
+        raise ValueError(f"n_modes {L} is fewer than the {problem.n_eval} modes "
+                         f"{problem.name!r} evaluates")
+    return problem
+
+
+# The paper's settings (appendix "Solving Time-Independent Schrodinger Equations"); a
+# problem sets its own Fourier features, scale and iterations (Problem.presets["paper"]).
+PAPER = dict(batch_size=128, lr=1e-4, hidden=128, fourier_features=256, fourier_scale=1.0,
+             iterations=100_000)
+# Minutes on 2 CPU cores: smaller networks, a larger learning rate and a Rayleigh-Ritz step
+# (training.pde.ritz); a problem moves what it needs (Problem.presets["cpu"]).
+CPU = dict(iterations=12_000, batch_size=256, lr=2e-3, fourier_features=64, hidden=64,
+           fourier_scale=0.15, ritz_samples=65_536)
 
 
 def paper(problem: Problem) -> dict:
-    """The paper's settings (appendix "Solving Time-Independent Schrodinger Equations")."""
-    return dict(
-        iterations=problem.paper_iterations,
-        batch_size=128,
-        lr=1e-4,
-        fourier_features=problem.fourier_features,
-        fourier_scale=problem.fourier_scale,
-        hidden=128,
-    )
+    """The paper's settings: K Fourier features and kappa of the problem, 3 x 128 MLPs,
+    RMSprop at lr 1e-4, batch 128, the problem's iteration count (500,000 for hydrogen)."""
+    return {**PAPER, **problem.presets.get("paper", {})}
 
 
 def cpu(problem: Problem) -> dict:
-    """Minutes on 2 CPU cores (hydrogen ~2.5, the 2D oscillator ~6): smaller
-    networks and a larger learning rate.
+    """Minutes on 2 CPU cores (hydrogen ~2.5, the 2D oscillator ~5, hydrogen-3d and the 10D
+    oscillator under 20): K = 64, 3 x 64 MLPs, lr 2e-3, 12,000 steps of 256 and a
+    Rayleigh-Ritz step, then the problem's own values (its sampling, kappa, length)."""
+    return {**CPU, **problem.presets.get("cpu", {})}
 
-    Hydrogen samples from 0.75 N(0, 16^2 I) + 0.25 N(0, 2^2 I): the wide Gaussian (the
-    paper's) reaches the n = 3 states out to r ~ 30, the narrow one puts a quarter of the
-    samples on the ground state's cusp, which N(0, 16^2 I) alone samples rarely; and lr
-    2e-3. Mean relative eigenvalue error 1.01% and 1.26% for seeds 0 and 1, against 1.83%
-    and 3.78% with N(0, 16^2 I) and lr 1e-3.
 
-    The oscillator learns its L (55 in 2D; the 27 surplus modes should come out with norm
-    ~0) with kappa = 0.15, so that frequencies ~1 can represent f~ = psi / sqrt(w), a bump of
-    width ~1 (at the paper's kappa = 1 every mode shrank to zero); samples from N(0, 2^2 I)
-    rather than N(0, 4^2 I), so that a quarter of them, not 7%, fall where the low states
-    live; lr 2e-3, batch 128, 18,000 iterations (~5 minutes on 2 threads); and a
-    Rayleigh-Ritz step whose nested modes put the surplus directions (negative Ritz
-    values) at norm 0 (``training.pde.ritz``). The README's operator section has the runs
-    that chose these values.
-    """
-    values = dict(
-        iterations=12_000,
-        batch_size=256,
-        lr=1e-3,
-        fourier_features=64,
-        fourier_scale=problem.fourier_scale,
-        hidden=64,
-    )
-    if problem.name == "hydrogen":
-        values.update(train_mix_std=2.0, train_mix_fraction=0.25, lr=2e-3,
-                      ritz_samples=65_536)
-    if problem.name == "oscillator":
-        values.update(
-            iterations=18_000, batch_size=128, fourier_scale=0.15, lr=2e-3, train_std=2.0,
-            ritz_samples=65_536,
-        )
-    return values
+def auto(problem: Problem) -> dict:
+    """cpu on a CPU, paper on CUDA (the default)."""
+    return PRESETS[choose_preset("auto")[0]](problem)
 
 
 PRESETS = {"paper": paper, "cpu": cpu}
-DEFAULT_PRESET = "paper"
+DEFAULT_PRESET = "auto"
+
+
+def choose_preset(name: str, device: str = "auto") -> tuple[str, str]:
+    """(preset, why): the named one, or for "auto" cpu or paper by the device."""
+    if name != "auto":
+        return name, f"--preset {name}"
+    if pick_device(device).type == "cuda":
+        return "paper", "no --preset given and a CUDA device is present"
+    return "cpu", ("no --preset given and no CUDA device: the paper preset (hundreds of "
+                   "thousands of steps of 3 x 128 MLPs) would take days on a CPU")
 
 
 def preset(name: str, problem: Problem, **overrides) -> Config:
@@ -181,26 +195,31 @@ def preset(name: str, problem: Problem, **overrides) -> Config:
     the wrong type are errors)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {list(PRESETS)}")
-    return cli.build(Config, {"problem": problem.name, "ndim": problem.ndim},
+    return cli.build(Config, {"problem": problem.name, "preset": name},
                      PRESETS[name](problem), overrides)
 
 
 def _from_flags(problem: str, **given) -> Config:
     """The config of PROBLEM, ``--preset`` and the other flags given."""
-    name = given.pop("preset")
-    return preset(name, make_problem(problem, given.get("ndim")), **given)
+    name, why = choose_preset(given.pop("preset"), given.get("device", "auto"))
+    # the problem as the flags define it (its options), whose presets apply
+    config = preset(name, problem_of(cli.build(Config, {"problem": problem}, given)), **given)
+    log.info("preset %s (%s)", name, why)
+    return config
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
-    """PROBLEM [--preset paper|cpu] and one dashed flag per other Config field."""
+    """PROBLEM [--preset auto|paper|cpu] and one dashed flag per other Config field."""
     parser = cli.build_parser(
         Config,
         prog="python -m training.pde",
-        description="Learn the top eigenfunctions of a Schrodinger operator.",
-        presets=PRESETS,
+        description="Learn the lowest states of a Schrodinger operator H = -k laplacian + V "
+                    "(the top eigenfunctions of T = shift - H).",
+        presets={"auto": auto, **PRESETS},
         default_preset=DEFAULT_PRESET,
         choices={"problem": list(PROBLEMS), "method": list(METHODS),
-                 "laplacian": list(LAPLACIANS), "stencil_precision": list(STENCIL_PRECISIONS)},
+                 "laplacian": list(LAPLACIANS), "stencil_precision": list(STENCIL_SETTINGS),
+                 "fused_update": list(FUSED_UPDATES)},
         positional=("problem",),
     )
     return cli.parse(parser, _from_flags, argv)

@@ -1,5 +1,5 @@
-"""Evaluation of learned eigenfunctions on the problem's quadrature (float64), with the
-paper's measures, and their values on an image grid for the plots."""
+"""Evaluation of learned eigenfunctions on the problem's evaluation rule (float64), with the
+paper's measures, and the learned functions aligned with the true ones for the figures."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 
 from training.pde import metrics
 from training.pde.laplacian import negative_hamiltonian
-from training.pde.problems import Problem
+from training.pde.schrodinger import Problem
 
-__all__ = ["learned_functions", "evaluate", "aligned_on_grid"]
+__all__ = ["learned_functions", "evaluate", "aligned_functions"]
 
 
 def learned_functions(
@@ -32,13 +32,15 @@ def learned_functions(
 
 def evaluate(model, problem: Problem, laplacian="fd", eps=0.01, eval_points=0,
              ritz: torch.Tensor | None = None) -> dict:
-    """All measures of the learned modes (see ``metrics.summarize``), plus the rotations
-    that align them with the truth, for plotting. ``ritz``: an (L, K) matrix of
-    combinations of the modes (``training.pde.ritz``); the combined functions f C, whose
-    T f C is (T f) C, are then measured the same way, as result["ritz"]."""
-    x, w = problem.quadrature("cpu", eval_points or None)
+    """All measures of the learned modes (see ``metrics.summarize``), plus what aligns
+    them with the truth where it is known (``alignment``: rotations and norms, for
+    ``aligned_functions``), for the modes as trained and after the Ritz step. ``ritz``: an
+    (L, K) matrix of combinations of the modes (``training.pde.ritz``); the combined
+    functions f C, whose T f C is (T f) C, are then measured the same way, as
+    result["ritz"]."""
+    x, w = problem.evaluation_rule("cpu", eval_points or None)
     f, Tf = learned_functions(model, problem, x, laplacian, eps)
-    truth = problem.eigenfunctions(x)
+    truth = None if problem.eigenfunctions is None else problem.eigenfunctions(x)
     out = metrics.summarize(f, Tf, truth, w, problem.eigenvalues_true)
     refined = None
     if ritz is not None:
@@ -46,25 +48,40 @@ def evaluate(model, problem: Problem, laplacian="fd", eps=0.01, eval_points=0,
         refined = metrics.summarize(f @ C, Tf @ C, truth, w, problem.eigenvalues_true)
     out["quadrature"] = problem.quadrature_name
     out["quadrature_points"] = int(x.shape[0])
-    n = problem.n_eval
-    rot = metrics.procrustes_rotations(f[:, :n], truth, w, out["degenerate_groups"])
     a = metrics.normalize(f, w)
     gram = metrics.inner(a, a, w)  # (L, L), for the orthogonality plot
+    alignment = {"trained": _alignment(f, truth, w, out["degenerate_groups"]),
+                 "ritz": None if ritz is None else _alignment(
+                     f @ ritz.to(f.dtype), truth, w, out["degenerate_groups"])}
+    return {"metrics": out, "gram": gram, "alignment": alignment, "ritz": refined}
+
+
+def _alignment(f, truth, w, groups):
+    """(rotations onto the truth per degenerate level or None, norms (n_eval,)) of the
+    first n_eval learned functions f (N, L)."""
+    if truth is None:
+        return None, None
+    n = truth.shape[1]
     norms = metrics.norm_eigenvalues(f[:, :n], w).sqrt()
-    return {"metrics": out, "rotations": rot, "gram": gram, "norms": norms, "ritz": refined}
+    return metrics.procrustes_rotations(f[:, :n], truth, w, groups), norms
 
 
-def aligned_on_grid(model, problem: Problem, rotations, norms, half_width, n=96):
-    """Learned functions on an n x n image grid, normalised by their quadrature norms and
-    rotated as on the quadrature, next to the truth: (n, n, n_eval) each (2D only)."""
-    if problem.ndim != 2:
-        raise ValueError(f"image grids are for 2D problems, got ndim={problem.ndim}")
-    t = torch.linspace(-half_width, half_width, n, dtype=torch.float64)
-    xx, yy = torch.meshgrid(t, t, indexing="xy")
-    x = torch.stack([xx.reshape(-1), yy.reshape(-1)], -1)
+def aligned_functions(model, problem: Problem, rotations, norms, combination=None,
+                      chunk: int = 4096):
+    """x (N, D) -> (N, n_eval): the learned functions (times ``combination``, an (L, K)
+    matrix such as the Ritz step's, when given) normalised by their quadrature norms and
+    rotated within each degenerate level as on the quadrature (``evaluate``)."""
     m = copy.deepcopy(model).double().requires_grad_(False)
     k = problem.n_eval
-    with torch.no_grad():
-        f = m(x)[:, :k] * torch.exp(0.5 * problem.log_weight(x)).unsqueeze(-1) / norms
-    f = metrics.apply_rotations(f, rotations)
-    return f.reshape(n, n, k), problem.eigenfunctions(x).reshape(n, n, k)
+
+    def aligned(x: torch.Tensor) -> torch.Tensor:
+        out = []
+        with torch.no_grad():
+            for xc in x.double().split(chunk):  # (the network's activations are L x chunk)
+                f = m(xc)
+                if combination is not None:
+                    f = f @ combination.to(f.dtype)
+                out.append(f[:, :k] * torch.exp(0.5 * problem.log_weight(xc)).unsqueeze(-1))
+        return metrics.apply_rotations(torch.cat(out) / norms.clamp_min(1e-300), rotations)
+
+    return aligned

@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["LAPLACIANS", "fd_laplacian", "exact_laplacian", "negative_hamiltonian"]
+__all__ = ["LAPLACIANS", "fd_laplacian", "exact_laplacian", "forward_laplacian",
+           "negative_hamiltonian"]
 
 Fn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -76,12 +77,37 @@ def exact_laplacian(fn: Fn, log_weight: Fn, x: torch.Tensor, n_modes: int):
     return fn(x), lap * torch.exp(-0.5 * log_weight(x)).unsqueeze(-1)
 
 
-LAPLACIANS = ("fd", "exact")
+def forward_laplacian(model, log_weight: Fn, x: torch.Tensor):
+    """The same quantity exactly, from the network's own forward-mode derivatives
+    (``DisjointMLPs.derivatives``: value, gradient and Laplacian of f~ in one pass) and
+    those of the weight: with f = sqrt(w) f~ and l = log w,
+
+        laplacian(f) / sqrt(w) = laplacian f~ + grad l . grad f~ + f~ (laplacian l / 2
+                                 + |grad l|^2 / 4),
+
+    l's derivatives by autograd ((B,) values: D cheap backward passes). Returns
+    (f~(x) with its graph, the Laplacian as a constant), both (B, L)."""
+    centre, grad, lap = model.derivatives(x)  # (B, L), (D, B, L), (B, L)
+    D = x.shape[1]
+    with torch.enable_grad():
+        xr = x.detach().requires_grad_(True)
+        (gl,) = torch.autograd.grad(log_weight(xr).sum(), xr, create_graph=True)  # (B, D)
+        ll = sum(torch.autograd.grad(gl[:, i].sum(), xr, retain_graph=i < D - 1)[0][:, i]
+                 for i in range(D))  # (B,)
+    gl, ll = gl.detach(), ll.detach()
+    with torch.no_grad():
+        lap = lap + torch.einsum("bd,dbl->bl", gl, grad)
+        lap = lap + centre.detach() * (0.5 * ll + 0.25 * (gl**2).sum(-1)).unsqueeze(-1)
+    return centre, lap
+
+
+LAPLACIANS = ("fd", "exact", "forward")
 
 
 def negative_hamiltonian(model, problem, x: torch.Tensor, laplacian: str = "fd", eps: float = 0.01,
                          precision: str = "fp32"):
-    """(f~, (T f) / sqrt(w)) at x: (B, D), both (B, L), for T = laplacian - V + shift.
+    """(f~, (T f) / sqrt(w)) at x: (B, D), both (B, L), for T = k laplacian - V + shift
+    (k = problem.kinetic).
     f~ keeps its autograd graph; T f is a constant (no graph): the methods use it so.
     precision: the finite-difference stencil's (``fd_laplacian``); "fp32" for "exact"."""
     if laplacian != "fd" and precision != "fp32":
@@ -90,7 +116,9 @@ def negative_hamiltonian(model, problem, x: torch.Tensor, laplacian: str = "fd",
         ft, lap = fd_laplacian(model, problem.log_weight, x, eps, precision)
     elif laplacian == "exact":
         ft, lap = exact_laplacian(model, problem.log_weight, x, model.n_modes)
+    elif laplacian == "forward":
+        ft, lap = forward_laplacian(model, problem.log_weight, x)
     else:
         raise ValueError(f"laplacian must be one of {LAPLACIANS}, got {laplacian!r}")
     diag = (problem.shift - problem.potential(x)).unsqueeze(-1)  # (B, 1)
-    return ft, lap + diag * ft.detach()
+    return ft, problem.kinetic * lap + diag * ft.detach()

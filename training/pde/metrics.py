@@ -145,37 +145,54 @@ def orthogonality_error(learned, w) -> torch.Tensor:
 
 
 def summarize(f, Tf, truth, w, eigenvalues_true) -> dict:
-    """All measures of learned functions f, T f: (N, L) against the true eigenfunctions
-    truth: (N, n_eval) with eigenvalues (n_eval,); the first n_eval learned modes are
-    evaluated (the rest of a non-compact problem should have norm ~0)."""
-    n = truth.shape[1]
+    """All measures of learned functions f, T f: (N, L) against the known spectrum
+    eigenvalues_true (n_eval,) and, when given, the true eigenfunctions truth: (N, n_eval);
+    the first n_eval learned modes are evaluated (the rest of a non-compact problem should
+    have norm ~0). Measures that need what is not known are None: with no spectrum, the
+    quotients, norms and the orthogonality of all L modes remain."""
+    n = len(eigenvalues_true)
     if f.shape[1] < n:
         raise ValueError(f"need at least {n} learned modes, got {f.shape[1]}")
-    ev_true = torch.as_tensor(eigenvalues_true, dtype=torch.float64)
-    groups = degenerate_groups(eigenvalues_true)
+    if truth is not None and truth.shape[1] != n:
+        raise ValueError(f"{truth.shape[1]} true eigenfunctions for {n} eigenvalues")
     rq = rayleigh_quotients(f, Tf, w)
     norms = norm_eigenvalues(f, w)
-    fe = f[:, :n]
+    fe = f[:, : n or f.shape[1]]
+    out = {
+        "eigenvalues_true": [float(v) for v in eigenvalues_true],
+        "eigenvalues": rq.tolist(),
+        "eigenvalues_norm": norms.tolist(),
+        "orthogonality": orthogonality_error(fe, w).item(),
+        "rel_errors": None, "rel_error_mean": None, "rel_errors_norm": None,
+        "angle_distances": None, "angle_distance_mean": None,
+        "subspace_distances": None, "subspace_distance_mean": None,
+        "degenerate_groups": None, "modes_in_right_level": None, "order_correct": None,
+    }
+    if n == 0:
+        return out
+    ev_true = torch.as_tensor(eigenvalues_true, dtype=torch.float64)
+    groups = degenerate_groups(eigenvalues_true)
     rel = relative_errors(rq[:n], ev_true)
-    angles = angle_distances(procrustes_align(fe, truth, w, groups), truth, w)
-    sub = subspace_distances(fe, truth, w, groups)
     levels = sorted({float(v) for v in eigenvalues_true}, reverse=True)
     expected = [levels.index(float(v)) for v in eigenvalues_true]
     found = level_assignment(rq[:n], eigenvalues_true)
-    return {
-        "eigenvalues_true": ev_true.tolist(),
-        "eigenvalues": rq.tolist(),
-        "eigenvalues_norm": norms.tolist(),
+    out.update({
         "rel_errors": rel.tolist(),
         "rel_error_mean": rel.mean().item(),
         "rel_errors_norm": relative_errors(norms[:n], ev_true).tolist(),
-        "angle_distances": angles.tolist(),
-        "angle_distance_mean": angles.mean().item(),
-        "subspace_distances": sub.tolist(),
-        "subspace_distance_mean": sub.mean().item(),
-        "orthogonality": orthogonality_error(fe, w).item(),
         "degenerate_groups": groups,
         # learned order: each mode's Rayleigh quotient lies nearest to its own level
         "modes_in_right_level": sum(a == b for a, b in zip(found, expected, strict=True)),
         "order_correct": found == expected,
-    }
+    })
+    if truth is None:
+        return out
+    angles = angle_distances(procrustes_align(fe, truth, w, groups), truth, w)
+    sub = subspace_distances(fe, truth, w, groups)
+    out.update({
+        "angle_distances": angles.tolist(),
+        "angle_distance_mean": angles.mean().item(),
+        "subspace_distances": sub.tolist(),
+        "subspace_distance_mean": sub.mean().item(),
+    })
+    return out

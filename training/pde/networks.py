@@ -6,7 +6,7 @@ MLP (2K+D) -> H -> H -> 1. The scale convention: B_l = 2 pi kappa times a standa
 (kappa = ``fourier_scale``), so kappa sets the standard deviation of the angular
 frequencies, not their variance. The paper writes N(0, 2 pi kappa); its published code
 draws 2 pi kappa randn, and that reading is kept because the variance reading fits the
-oscillator worse (README, operator experiments).
+oscillator worse (docs/operators.md).
 
 The L networks share no parameter (SpIN and NeuralEF need disjoint modes; NeuralSVD uses
 sequential nesting for them); their weights are stacked along a leading mode axis so one
@@ -148,15 +148,15 @@ class DisjointMLPs(nn.Module):
         have lost the O(eps^2) difference altogether. On a CPU with AMX these products run
         ~5x faster than in fp32 (benchmarks/pde_bench.py). Everything after the first layer
         stays fp32; the centre's rounding (~2^-9, as in mixed-precision training) enters
-        f~ and the gradient alike. For the accuracy it costs, see the README's operator
-        section. Needs float32 parameters.
+        f~ and the gradient alike. For the accuracy it costs, see
+        docs/operators.md. Needs float32 parameters.
 
         modes_per_product: modes evaluated together at the shifted points; None: on the
         CPU as many as keep one chunk's features within ``CHUNK_BYTES`` (one mode at the
         paper's K = 1024, batch 128; 15 of the oscillator's small ones), all of them
         elsewhere (where each product is a kernel launch).
         """
-        L, D, H = self.n_modes, self.ndim, self.w2.shape[-1]
+        L, D = self.n_modes, self.ndim
         if x.dim() != 2 or x.shape[1] != D:
             raise ValueError(f"stencil centres must be (B, {D}), got {tuple(x.shape)}")
         if x.requires_grad:
@@ -171,6 +171,12 @@ class DisjointMLPs(nn.Module):
             if x.dtype != torch.float32:
                 raise ValueError(f"the bf16 stencil is for float32 models, got {x.dtype}")
             return self._fd_stencil_bf16(x, eps, m)
+        return self._fd_stencil_fp32(x, eps, m)
+
+    def _fd_stencil_fp32(self, x: torch.Tensor, eps: float, m: int):
+        """fd_stencil's precision "fp32" (see there), in chunks of m modes."""
+        L, D, H = self.n_modes, self.ndim, self.w2.shape[-1]
+        B, K = x.shape[0], self.freq.shape[-1]
         xl = x.unsqueeze(0).expand(L, -1, -1)  # (L, B, D)
         # In chunks of m modes, through to the output: on the CPU a chunk's features,
         # scaled weights and activations stay in cache, and no large temporary is allocated
@@ -243,6 +249,71 @@ class DisjointMLPs(nn.Module):
         return self._head(a), shifted.view(2 * D, B, L)
 
 
+    def derivatives(self, x: torch.Tensor, modes_per_product: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The network, its gradient and its Laplacian in x, exactly, in one forward pass:
+        x (B, D) -> (f~(x): (B, L) with its autograd graph, grad f~: (D, B, L) and
+        laplacian f~: (B, L) without one).
+
+        Forward mode through the layers, with the Fourier features' derivatives in closed
+        form: for u = B_l x, d_i [cos u, sin u] = b_i [-sin u, cos u] and laplacian
+        [cos u, sin u] = -|b|^2 [cos u, sin u] per feature (|b|^2 summed over the D
+        inputs), so the first layer's pre-activation a has
+
+            d_i a = [cos u, sin u] @ (b_i * [W_s; -W_c]) + W_x,i,
+            laplacian a = [cos u, sin u] @ (-|b|^2 * [W_c; W_s]),
+
+        D + 1 products beside the centre's where the finite-difference stencil needs 2D;
+        then for h = softplus(a): d_i h = s' d_i a and laplacian h = s' laplacian a +
+        s'' sum_i (d_i a)^2 (s' = sigmoid, s'' = sigmoid (1 - sigmoid)), and each linear
+        layer maps value, gradient and Laplacian alike. modes_per_product: as for
+        ``fd_stencil``."""
+        L, D = self.n_modes, self.ndim
+        if x.dim() != 2 or x.shape[1] != D or x.requires_grad:
+            raise ValueError(f"x must be (B, {D}) without grad, got {tuple(x.shape)}")
+        B, K = x.shape[0], self.freq.shape[-1]
+        m = modes_per_product or (
+            max(1, CHUNK_BYTES // (B * (2 * K + D) * x.element_size()))
+            if x.device.type == "cpu" else L)
+        xl = x.unsqueeze(0).expand(L, -1, -1)  # (L, B, D)
+        with torch.no_grad():
+            freq = self.freq.to(x.dtype)  # (L, D, K)
+            h = x.new_empty(L, B, 2 * K + D)  # the centres' features [cos u, sin u, x]
+            h[..., 2 * K :] = xl
+            grad, lap = x.new_empty(D, B, L), x.new_empty(B, L)
+            for lo in range(0, L, m):
+                ls = slice(lo, lo + m)
+                u = torch.bmm(xl[ls], freq[ls])  # (n, B, K)
+                torch.cos(u, out=h[ls, :, :K])
+                torch.sin(u, out=h[ls, :, K : 2 * K])
+                grad[:, :, ls], lap[:, ls] = self._derivatives(h[ls], freq[ls], ls)
+        centre = self._head(torch.baddbmm(self.b1, h, self.w1))  # (B, L)
+        return centre, grad, lap
+
+    def _derivatives(self, h: torch.Tensor, freq: torch.Tensor, ls: slice):
+        """``derivatives`` of the modes ls from their features h (n, B, 2K + D) and
+        frequencies (n, D, K): -> (grad (D, B, n), laplacian (B, n))."""
+        K, D = freq.shape[-1], freq.shape[1]
+        w = self.w1[ls].detach()  # (n, 2K + D, H)
+        trig = h[..., : 2 * K]
+        w_swap = torch.cat([w[:, K : 2 * K], -w[:, :K]], 1)  # [W_s; -W_c]
+        b = freq.repeat(1, 1, 2)  # (n, D, 2K): each frequency for cos and sin rows
+        # (n, D, B, H): d_i a, then laplacian a: (n, B, H)
+        ga = torch.stack([torch.baddbmm(w[:, 2 * K + i : 2 * K + i + 1], trig,
+                                        w_swap * b[:, i, :, None]) for i in range(D)], 1)
+        la = torch.bmm(trig, w[:, : 2 * K] * -(b**2).sum(1)[:, :, None])
+        a = torch.baddbmm(self.b1[ls], h, w)  # (n, B, H)
+        for w_next, b_next in ((self.w2[ls], self.b2[ls]), (self.w3[ls], self.b3[ls])):
+            s1 = torch.sigmoid(a)
+            s2 = s1 * (1 - s1)
+            la = s1 * la + s2 * (ga**2).sum(1)  # the Laplacian of softplus(a)
+            ga = s1.unsqueeze(1) * ga
+            w_next = w_next.detach()
+            a = torch.baddbmm(b_next, softplus(a), w_next)
+            ga, la = torch.matmul(ga, w_next.unsqueeze(1)), torch.bmm(la, w_next)
+        return ga.squeeze(-1).permute(1, 2, 0), la.squeeze(-1).T
+
+
 class _FirstLayerBf16(torch.autograd.Function):
     """[cos u, sin u] (L, B, 2K) in bfloat16 and x (L, B, D) against the first layer's
     weights w1 (L, 2K + D, H), whose first 2K rows are also given in bfloat16 (w16):
@@ -263,7 +334,13 @@ class _FirstLayerBf16(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         trig, x = ctx.saved_tensors
         F = trig.shape[-1]
+        feat = torch.bmm(trig.transpose(1, 2), grad.to(torch.bfloat16))  # (L, 2K, H)
         dw = grad.new_empty(grad.shape[0], F + x.shape[-1], grad.shape[-1])
-        dw[:, :F] = torch.bmm(trig.transpose(1, 2), grad.to(torch.bfloat16))
-        torch.bmm(x.transpose(1, 2), grad, out=dw[:, F:])
+        try:
+            dw[:, :F] = feat
+            torch.bmm(x.transpose(1, 2), grad, out=dw[:, F:])
+        except RuntimeError:
+            # batched gradients (SpIN's is_grads_batched backward) refuse out=: a copy of
+            # the (L, 2K + D, H) gradient more
+            dw = torch.cat([feat.float(), torch.bmm(x.transpose(1, 2), grad)], 1)
         return None, None, dw, None

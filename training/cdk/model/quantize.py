@@ -1,0 +1,220 @@
+"""Static int8 quantization of an exported encoder graph, and its parity with float32.
+
+The graph of `training.cdk.model.export` is quantized by ONNX Runtime in the QDQ format:
+weights int8 per output channel, activations uint8 with ranges from MinMax calibration (the
+x86 kernels with VNNI multiply uint8 by int8 without saturation). Only the backbone's
+convolutions and the activations and additions between them are quantized; pooling, the head
+and the raw coordinates stay float32 (a few matrix products, not worth their error).
+
+Calibration images are of the checkpoint's training classes only (its config names the data
+and the split); the parity is measured on its validation classes, never on test classes:
+
+  - validation mAP@all of int8 `modality` embeddings against float32 embeddings of the other
+    modality within PARITY_MAP_DROP of the float32 mAP, and
+  - mean overlap of each validation sketch's top-10 photos, float32 against int8, at least
+    PARITY_OVERLAP.
+
+The numbers are stored in the quantized graph's metadata; a graph whose parity fails is
+kept (so it is not measured again at each start) but never served.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from training.folders import DataError
+
+from ..data import Dataset, scan
+from ..metrics import retrieval_metrics
+from ..splits import split_classes
+
+__all__ = ["PARITY_MAP_DROP", "PARITY_OVERLAP", "Parity", "QuantizationError",
+           "calibration_files", "calibration_sets", "measure_parity", "preprocessed",
+           "quantize", "quantize_graph"]
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_IMAGES = 128  # training-class images, drawn with a fixed seed
+PARITY_MAP_DROP = 0.01
+PARITY_OVERLAP = 0.9
+TOP = 10
+QUANTIZED_OPS = ["Conv", "Clip", "Add"]  # the backbone: convolutions, ReLU6, residual adds
+
+Encode = Callable[[np.ndarray], np.ndarray]  # (N, 3, S, S) float32 -> (N, width) float32
+
+
+class QuantizationError(RuntimeError):
+    """The int8 graph cannot be made (no calibration data) or does not hold parity."""
+
+
+@dataclass(frozen=True)
+class Parity:
+    """Validation-class retrieval with the float32 and the int8 graph of one modality."""
+
+    map_fp32: float
+    map_int8: float
+    overlap: float  # mean share of the float32 top-10 photos in the int8 top-10
+    queries: int  # validation sketches
+
+    def holds(self) -> bool:
+        return (self.map_fp32 - self.map_int8 <= PARITY_MAP_DROP
+                and self.overlap >= PARITY_OVERLAP)
+
+    def __str__(self) -> str:
+        return (f"validation mAP {self.map_int8:.4f} (float32 {self.map_fp32:.4f}), top-{TOP} "
+                f"overlap {self.overlap:.3f} over {self.queries} sketches")
+
+    def metadata(self) -> dict[str, str]:
+        return {"parity_map_fp32": f"{self.map_fp32:.6f}",
+                "parity_map_int8": f"{self.map_int8:.6f}",
+                "parity_overlap": f"{self.overlap:.6f}", "parity_queries": str(self.queries)}
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str]) -> Parity:
+        return cls(float(meta["parity_map_fp32"]), float(meta["parity_map_int8"]),
+                   float(meta["parity_overlap"]), int(meta["parity_queries"]))
+
+
+def calibration_sets(config: dict, data: str | Path | None = None) -> tuple[Dataset, Dataset]:
+    """(training classes, validation classes) of the data the checkpoint was trained on
+    (`data` overrides the folder its config names, e.g. where a container mounts it)."""
+    where = "the argument" if data else "the checkpoint config"
+    root = data or config.get("data") or None
+    if root is None or not Path(root).is_dir():
+        raise QuantizationError(f"calibrating int8 needs the training data; {root!r} (from "
+                                f"{where}) is not a folder")
+    try:
+        dataset = scan(root)
+    except DataError as err:
+        raise QuantizationError(f"calibrating int8 needs the training data ({where}): "
+                                f"{err}") from err
+    split = split_classes(str(config.get("split", "sketchy2")), list(dataset.classes))
+    if not split["valid"]:
+        raise QuantizationError(f"split {config.get('split')!r} of {str(root)!r} has no "
+                                "validation classes to measure int8 parity on")
+    return dataset.restrict(split["train"]), dataset.restrict(split["valid"])
+
+
+def _files(dataset: Dataset, modality: str) -> tuple[tuple[Path, ...], np.ndarray]:
+    if modality == "sketch":
+        return dataset.sketches, dataset.sketch_labels
+    return dataset.photos, dataset.photo_labels
+
+
+def images_of(files, size: int = 16) -> Iterator[list[Image.Image]]:
+    """The image files as RGB images, `size` at a time, in order."""
+    for i in range(0, len(files), size):
+        images = []
+        for f in files[i : i + size]:
+            with Image.open(f) as im:
+                images.append(im.convert("RGB"))
+        yield images
+
+
+def preprocessed(embedder, files, modality: str) -> Iterator[np.ndarray]:
+    """(N, 3, S, S) float32 batches of the image files as `embedder` preprocesses them."""
+    for images in images_of(files):
+        yield embedder.preprocess(images, modality).cpu().numpy()
+
+
+def quantize_graph(fp32: bytes, calibration: Iterator[np.ndarray], input_name: str) -> bytes:
+    """The int8 QDQ graph of the float32 graph `fp32`, calibrated on the batches given."""
+    from onnxruntime.quantization import (  # local: serving float32 does not need it
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    class Reader(CalibrationDataReader):
+        def get_next(self) -> dict | None:
+            batch = next(calibration, None)
+            return None if batch is None else {input_name: batch}
+
+    with tempfile.TemporaryDirectory(prefix="sketchsvd-quantize-") as tmp:
+        src, pre, out = (Path(tmp) / n for n in ("fp32.onnx", "pre.onnx", "int8.onnx"))
+        src.write_bytes(fp32)
+        # Shapes and constant folding first (ONNX Runtime's advice); the symbolic shape
+        # pass does not handle the exporter's dynamic batch dimension.
+        quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)
+        quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ,
+                        per_channel=True, activation_type=QuantType.QUInt8,
+                        weight_type=QuantType.QInt8, calibrate_method=CalibrationMethod.MinMax,
+                        op_types_to_quantize=QUANTIZED_OPS)
+        return out.read_bytes()
+
+
+def calibration_files(train: Dataset, modality: str, n: int = CALIBRATION_IMAGES
+                      ) -> list[Path]:
+    """`n` images of `modality` from the training classes, drawn with a fixed seed."""
+    files, _ = _files(train, modality)
+    if not files:
+        raise QuantizationError(f"no {modality} images in the training classes of "
+                                f"{str(train.root)!r}")
+    pick = np.random.default_rng(0).choice(len(files), min(n, len(files)), replace=False)
+    return [files[i] for i in sorted(pick)]
+
+
+def measure_parity(embedder, valid: Dataset, modality: str, fp32: Encode, int8: Encode
+                   ) -> Parity:
+    """Parity of the int8 graph against the float32 graph of `modality` (both (N, 3, S, S)
+    -> (N, width)) on the validation classes; the other modality is embedded by `embedder`
+    (PyTorch, float32)."""
+    other = "photo" if modality == "sketch" else "sketch"
+    own_files, own_labels = _files(valid, modality)
+    other_files, other_labels = _files(valid, other)
+    theirs = np.concatenate([embedder.embed(images, other) for images in images_of(other_files)])
+    ours = {name: np.concatenate([encode(b) for b in preprocessed(embedder, own_files, modality)])
+            for name, encode in (("fp32", fp32), ("int8", int8))}
+    if modality == "sketch":  # queries are sketches, the gallery photos
+        pairs = {n: (e, theirs) for n, e in ours.items()}
+        q_labels, g_labels = own_labels, other_labels
+    else:
+        pairs = {n: (theirs, e) for n, e in ours.items()}
+        q_labels, g_labels = other_labels, own_labels
+    maps = {n: retrieval_metrics(f, g, q_labels, g_labels, TOP)["map_all"]
+            for n, (f, g) in pairs.items()}
+    top = min(TOP, len(g_labels))
+    tops = {n: np.argsort(-(f @ g.T), axis=1, kind="stable")[:, :top]
+            for n, (f, g) in pairs.items()}
+    overlap = np.mean([len(set(a) & set(b)) / top
+                       for a, b in zip(tops["fp32"], tops["int8"], strict=True)])
+    return Parity(maps["fp32"], maps["int8"], float(overlap), len(q_labels))
+
+
+def quantize(embedder, modality: str, fp32, data: str | Path | None = None) -> bytes:
+    """The int8 graph of `fp32` (an export.OnnxEncoder of `modality`), calibrated on the
+    checkpoint's training classes and with its validation-class parity in its metadata."""
+    import onnx
+
+    from .export import INPUT, OnnxEncoder
+
+    train, valid = calibration_sets(embedder.config, data)
+    files = calibration_files(train, modality)
+    log.info("quantizing the %s encoder to int8: %d calibration images of %d training "
+             "classes", modality, len(files), len(train.classes))
+    graph = quantize_graph(fp32.data, preprocessed(embedder, files, modality), INPUT)
+    proto = onnx.load_from_string(graph)
+    meta = {**{p.key: p.value for p in proto.metadata_props}, **fp32.meta,
+            "precision": "int8", "calibration_images": str(len(files))}
+    loaded = OnnxEncoder(_with_metadata(proto, meta), fp32.meta["checkpoint_sha256"],
+                         modality, precision="int8", source=f"int8 {modality} encoder")
+    parity = measure_parity(embedder, valid, modality, fp32, loaded)
+    log.info("int8 %s encoder: %s", modality, parity)
+    return _with_metadata(proto, {**meta, **parity.metadata()})
+
+
+def _with_metadata(proto, meta: dict[str, str]) -> bytes:
+    del proto.metadata_props[:]
+    for key, value in sorted(meta.items()):
+        proto.metadata_props.add(key=key, value=value)
+    return proto.SerializeToString()
