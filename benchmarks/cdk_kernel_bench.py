@@ -167,7 +167,7 @@ class KernelSampler:
     every sketch once in a seeded random order and draws its photo from its row of
     ``cond`` (Ns, Np). Expectations under the kernel are exact sums over ``cond``. The
     interface training.cdk.train takes a sampler by (epoch, steps_per_epoch, joint_moment,
-    halves)."""
+    photo_marginal, halves)."""
 
     def __init__(self, cond: torch.Tensor):
         cond = torch.as_tensor(cond, dtype=torch.float64)
@@ -219,8 +219,10 @@ class KernelSampler:
         n_p = self.cond.shape[1] if photo_idx is None else len(photo_idx)
         return [(torch.arange(h, n_s, 2), torch.arange(h, n_p, 2)) for h in (0, 1)]
 
-    def photo_marginal(self) -> torch.Tensor:
-        return self.cond.mean(0)  # (Np,)
+    def photo_marginal(self, sketch_idx=None, photo_idx=None) -> torch.Tensor:
+        """(Np,) p(y) of the kernel restricted to the given rows (None: all): how often
+        the batches draw each photo."""
+        return self.restricted(sketch_idx, photo_idx)[0].mean(0)
 
     @torch.no_grad()
     def quotients(self, f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

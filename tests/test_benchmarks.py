@@ -74,6 +74,14 @@ def test_similar_class_pairing_draws_and_moments_follow_its_matrix():
             c, d = sketch_labels[i], photo_labels[j]
             want += f[i].double() * g[j].double() * T[c, d] / (photo_labels == d).sum()
     torch.testing.assert_close(sampler.joint_moment(f, g), want / 20)
+    marginal = torch.tensor([sum(float(T[c, photo_labels[j]]) for c in sketch_labels) / 20 / 3
+                             for j in range(12)], dtype=torch.float64)  # 3 photos a class
+    torch.testing.assert_close(sampler.photo_marginal(), marginal)
+    # among photos 0 (class 0), 1 and 5 (class 1): the draw of class 0 or 1 renormalised
+    to0 = sum(float(T[c, 0] / (T[c, 0] + T[c, 1])) for c in range(4)) / 4  # 5 sketches each
+    torch.testing.assert_close(sampler.photo_marginal(None, torch.tensor([0, 1, 5])),
+                               torch.tensor([to0, (1 - to0) / 2, (1 - to0) / 2],
+                                            dtype=torch.float64))
 
 
 def test_levers_folds_hold_out_each_non_test_class_once():
@@ -236,12 +244,19 @@ def test_kernel_bench_training_is_the_training_loop(tmp_path):
                                 strict=True):
             torch.testing.assert_close(a, b, msg=f"{m} {name}")
 
-    data = {"sketch_labels": labels, "photo_labels": labels, "photo_of": np.arange(24)}
-    sampler = KernelSampler(conditional({}, data))
-    res, _ = train_heads(cfg, sk, ph, sampler)
-    f, g = _embed(res.heads["sketch"], sk), _embed(res.heads["photo"], ph)
-    torch.testing.assert_close(res.singular_values.double(), sampler.quotients(f, g),
-                               atol=1e-5, rtol=1e-5)
+    # sketches 2k, 2k + 1 drawn from photo 2k: under instance 0.5 odd photos come only by
+    # the class draw, so the photo marginal is 3/2 and 1/2 of uniform, and the spectrum
+    # pass weighs the photos by it
+    data = {"sketch_labels": labels, "photo_labels": labels, "photo_of": np.arange(24) // 2 * 2}
+    for parts in ({}, {"instance": 0.5}):
+        sampler = KernelSampler(conditional(parts, data))
+        res, _ = train_heads(cfg, sk, ph, sampler)
+        f, g = _embed(res.heads["sketch"], sk), _embed(res.heads["photo"], ph)
+        torch.testing.assert_close(res.singular_values.double(), sampler.quotients(f, g),
+                                   atol=1e-5, rtol=1e-5)
+        w = sampler.photo_marginal()
+        norm = ((f.double() ** 2).mean(0) * (w @ g.double() ** 2)).sqrt()
+        torch.testing.assert_close(res.singular_values_norm.double(), norm, atol=1e-5, rtol=1e-5)
 
 
 def test_kernel_bench_runs_end_to_end_on_tiny_data(tmp_path, capsys):
