@@ -147,6 +147,20 @@ class SimilarClassSampler(PairSampler):
         mixed = (t / t.sum(1, keepdim=True)) @ g_bar
         return (f.double() * mixed[self.sketch_labels[s_idx.long()]]).mean(0)
 
+    def photo_marginal(self, sketch_idx=None, photo_idx=None):
+        """p(y) at the given photos: a sketch of class c draws class c' with T[c, c']
+        (among the classes with given photos) and then one of its photos uniformly."""
+        s_idx = (torch.arange(len(self.sketch_labels)) if sketch_idx is None
+                 else torch.as_tensor(sketch_idx).long())
+        p_idx = (torch.arange(len(self.photo_labels)) if photo_idx is None
+                 else torch.as_tensor(photo_idx).long())
+        labels = self.photo_labels[p_idx]
+        n = torch.bincount(labels, minlength=len(self.count)).double()
+        t = self.T.double() * (n > 0)[None]
+        sketches = torch.bincount(self.sketch_labels[s_idx], minlength=len(n)).double()
+        w = (sketches @ (t / t.sum(1, keepdim=True)))[labels] / n[labels]
+        return w / w.sum()
+
 
 @torch.no_grad()
 def _features(files, backbone: Backbone, size: int, transform, desc: str) -> dict:

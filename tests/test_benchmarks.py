@@ -85,6 +85,14 @@ def test_similar_class_pairing_draws_and_moments_follow_its_matrix():
             c, d = sketch_labels[i], photo_labels[j]
             want += f[i].double() * g[j].double() * T[c, d] / (photo_labels == d).sum()
     torch.testing.assert_close(sampler.joint_moment(f, g), want / 20)
+    marginal = torch.tensor([sum(float(T[c, photo_labels[j]]) for c in sketch_labels) / 20 / 3
+                             for j in range(12)], dtype=torch.float64)  # 3 photos a class
+    torch.testing.assert_close(sampler.photo_marginal(), marginal)
+    # among photos 0 (class 0), 1 and 5 (class 1): the draw of class 0 or 1 renormalised
+    to0 = sum(float(T[c, 0] / (T[c, 0] + T[c, 1])) for c in range(4)) / 4  # 5 sketches each
+    torch.testing.assert_close(sampler.photo_marginal(None, torch.tensor([0, 1, 5])),
+                               torch.tensor([to0, (1 - to0) / 2, (1 - to0) / 2],
+                                            dtype=torch.float64))
 
 
 def test_levers_folds_hold_out_each_non_test_class_once():
@@ -100,6 +108,222 @@ def test_levers_folds_hold_out_each_non_test_class_once():
         assert not set(parts["train"]) & set(parts["valid"])
     (name, parts), = folds_of({"classes": classes}, "sketchy2", 0, None)
     assert name == "valid" and len(parts["valid"]) == 10
+
+
+def _kernel_labels(classes=3):
+    """classes x 2 photos x 2 sketches each: sketch i was drawn from photo i // 2."""
+    import numpy as np
+
+    photo_labels = np.repeat(np.arange(classes), 2)
+    photo_of = np.repeat(np.arange(2 * classes), 2)
+    return photo_labels[photo_of], photo_labels, photo_of
+
+
+def test_kernel_spectra_are_the_analytic_ones():
+    """Class kernel: C - 1 singular values 1, the rest 0. Instance kernel (every photo with
+    two sketches): all 1. Their mixture (1 - a) class + a instance is U ((1 - a) Pi + a I)
+    with U's columns orthonormal and Pi the projection on the class indicators: C - 1
+    values 1, then a."""
+    import torch
+
+    from benchmarks.cdk_kernel_bench import (
+        KernelSampler,
+        class_conditional,
+        conditional,
+        effective_rank,
+        instance_conditional,
+    )
+
+    sl, pl, photo_of = _kernel_labels()
+    one = torch.ones(2, dtype=torch.float64)
+    got = KernelSampler(class_conditional(sl, pl)).spectrum()
+    torch.testing.assert_close(got, torch.cat([one, torch.zeros(3, dtype=torch.float64)]))
+    got = KernelSampler(instance_conditional(photo_of, 6)).spectrum()
+    torch.testing.assert_close(got, torch.ones(5, dtype=torch.float64))
+    data = {"sketch_labels": sl, "photo_labels": pl, "photo_of": photo_of}
+    got = KernelSampler(conditional({"instance": 0.3}, data)).spectrum()
+    torch.testing.assert_close(got, torch.cat([one, torch.full((3,), 0.3, dtype=torch.float64)]))
+    assert abs(effective_rank([1.0, 1.0, 0.0, -0.2]) - 2.0) < 1e-12
+    assert abs(effective_rank([1.0, 1.0, 2.3e-162]) - 2.0) < 1e-12  # its share underflows to 0
+    assert 2.0 < effective_rank(got) < 5.0
+
+
+def test_kernel_conditionals_and_their_limits():
+    """Rows are distributions; the soft instance kernel is the instance kernel as tau -> 0
+    and the class kernel as tau -> inf; the semantic kernel moves a class's photo draw to
+    the other classes by T: symmetric, doubly stochastic, 1 - b on the diagonal."""
+    import torch
+
+    from benchmarks.cdk_kernel_bench import (
+        class_conditional,
+        conditional,
+        instance_conditional,
+        soft_instance_conditional,
+    )
+
+    sl, pl, photo_of = _kernel_labels()
+    feats = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    sharp = soft_instance_conditional(photo_of, sl, pl, feats, 1e-4)
+    torch.testing.assert_close(sharp, instance_conditional(photo_of, 6))
+    flat = soft_instance_conditional(photo_of, sl, pl, feats, 1e9)
+    torch.testing.assert_close(flat, class_conditional(sl, pl))
+    sl, pl, photo_of = _kernel_labels(4)  # with 3 classes W's off-diagonal is forced
+    data = {"sketch_labels": sl, "photo_labels": pl, "photo_of": photo_of,
+            "photo": torch.randn(8, 5, generator=torch.Generator().manual_seed(0))}
+    emb = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    cond = conditional({"semantic": (0.3, 0.2), "instance": 0.5}, data, emb)
+    torch.testing.assert_close(cond.sum(1), torch.ones(16, dtype=torch.float64))
+    # the class part: P(photo class c' | sketch class c) = 0.5 T[c, c'] (+ 0.5 when c' = c)
+    by_class = torch.stack([cond[:, torch.as_tensor(pl == c)].sum(1) for c in range(4)], 1)
+    T = torch.stack([by_class[torch.as_tensor(sl == c)].mean(0) for c in range(4)])
+    T = (T - 0.5 * torch.eye(4, dtype=T.dtype)) / 0.5
+    torch.testing.assert_close(T, T.T)
+    torch.testing.assert_close(T.sum(0), torch.ones(4, dtype=T.dtype))
+    torch.testing.assert_close(T.diagonal(), torch.full((4,), 0.7, dtype=T.dtype))
+    off = T[~torch.eye(4, dtype=torch.bool)]
+    assert float(off.min()) > 0 and float(off.max() - off.min()) > 0.01  # the names decide
+
+
+def test_kernel_sampler_draws_from_its_matrix_and_its_quotients_are_the_cdk_ones():
+    """Pairs counted over many epochs follow cond; the quotients equal the definition
+    written out over all (sketch, photo) pairs, and for the class kernel (uniform
+    marginals) training's own estimate (cdk_singular_values with the PairSampler's joint
+    moment)."""
+    import torch
+
+    from benchmarks.cdk_kernel_bench import KernelSampler, conditional
+    from training.cdk.data import PairSampler
+    from training.loss import cdk_singular_values
+
+    sl, pl, photo_of = _kernel_labels()
+    feats = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    data = {"sketch_labels": sl, "photo_labels": pl, "photo_of": photo_of, "photo": feats}
+    cond = conditional({"soft": (0.5, 0.5)}, data)
+    sampler = KernelSampler(cond)
+    counts = torch.zeros(12, 6, dtype=torch.float64)
+    for epoch in range(1500):
+        for s, p in sampler.epoch(0, epoch, 4):
+            counts.index_put_((s, p), torch.ones(len(s), dtype=torch.float64), accumulate=True)
+    assert (counts / counts.sum(1, keepdim=True) - cond).abs().max() < 0.05  # 1,500 each
+
+    gen = torch.Generator().manual_seed(2)
+    f, g = torch.randn(12, 3, generator=gen), torch.randn(6, 3, generator=gen)
+    joint = torch.zeros(3, dtype=torch.float64)
+    py = torch.zeros(6, dtype=torch.float64)
+    for i in range(12):
+        for j in range(6):
+            joint += cond[i, j] / 12 * f[i].double() * g[j].double()
+            py[j] += cond[i, j] / 12
+    fd, gd = f.double(), g.double()
+    want = (joint - fd.mean(0) * (py @ gd)) / ((fd**2).mean(0) * (py @ gd**2)).sqrt()
+    torch.testing.assert_close(sampler.quotients(f, g), want)
+    cls = conditional({}, data)
+    moment = PairSampler(sl, pl).joint_moment(f, g)
+    torch.testing.assert_close(KernelSampler(cls).quotients(f, g),
+                               cdk_singular_values(f, g, moment).double())
+
+
+def test_kernel_bench_training_is_the_training_loop(tmp_path):
+    """The benchmark trains through training.cdk.train: with training's pair sampler its
+    heads are those of train() on the same data (same seeds, dropout masks, optimiser and
+    schedule); with a kernel sampler, the spectrum it reports is the kernel's quotients
+    written out over all rows, at the heads it returns."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    import training.cdk.train as train_mod
+    from benchmarks.cdk_kernel_bench import KernelSampler, _embed, conditional, train_heads
+    from training.cdk.config import make_config
+    from training.cdk.data import PairSampler
+    from training.cdk.model.backbones import Backbone
+
+    gen = torch.Generator().manual_seed(0)
+    labels = np.repeat(np.arange(4), 6)
+    means = torch.randn(4, 6, generator=gen)
+    sk = means[labels] + 0.5 * torch.randn(24, 6, generator=gen)
+    ph = means[labels] + 0.5 * torch.randn(24, 6, generator=gen)
+    cfg = make_config("cpu", modes=4, hidden=16, batch_size=8, epochs=3, raw_dims=0,
+                      sort_modes=False, out=str(tmp_path))
+    backbone = Backbone("synthetic", nn.Identity(), 6, (0.0,) * 3, (1.0,) * 3)
+    want = train_mod.train(cfg, train_mod.TrainData(sk, ph, labels, labels.copy()), backbone,
+                           tmp_path, device="cpu").heads
+    got, seconds = train_heads(cfg, sk, ph, PairSampler(labels, labels))
+    assert seconds > 0
+    for m in ("sketch", "photo"):
+        for (name, a), b in zip(want[m].state_dict().items(), got.heads[m].state_dict().values(),
+                                strict=True):
+            torch.testing.assert_close(a, b, msg=f"{m} {name}")
+
+    # sketches 2k, 2k + 1 drawn from photo 2k: under instance 0.5 odd photos come only by
+    # the class draw, so the photo marginal is 3/2 and 1/2 of uniform, and the spectrum
+    # pass weighs the photos by it
+    data = {"sketch_labels": labels, "photo_labels": labels, "photo_of": np.arange(24) // 2 * 2}
+    for parts in ({}, {"instance": 0.5}):
+        sampler = KernelSampler(conditional(parts, data))
+        res, _ = train_heads(cfg, sk, ph, sampler)
+        f, g = _embed(res.heads["sketch"], sk), _embed(res.heads["photo"], ph)
+        torch.testing.assert_close(res.singular_values.double(), sampler.quotients(f, g),
+                                   atol=1e-5, rtol=1e-5)
+        w = sampler.photo_marginal()
+        norm = ((f.double() ** 2).mean(0) * (w @ g.double() ** 2)).sqrt()
+        torch.testing.assert_close(res.singular_values_norm.double(), norm, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_bench_runs_end_to_end_on_tiny_data(tmp_path, capsys):
+    """Generated paired images (7 classes, one held out as the test class): features,
+    three kernels on the validation classes and 2 class folds, results and report; no
+    test-class row, and the instance kernel's spectrum is wider than the class one's."""
+    import json
+
+    import torch
+    from PIL import Image
+
+    from benchmarks.cdk_kernel_bench import main
+
+    root = tmp_path / "data"
+    for c in range(7):
+        for i in range(6):
+            (root / "photo" / f"c{c}").mkdir(parents=True, exist_ok=True)
+            (root / "sketch" / f"c{c}").mkdir(parents=True, exist_ok=True)
+            colour = (40 * c, 30 * i, 255 - 35 * c)
+            Image.new("RGB", (40, 40), colour).save(root / "photo" / f"c{c}" / f"p{c}_{i}.jpg")
+            if i < 3:
+                for n in (1, 2):
+                    im = Image.new("RGB", (40, 40), "white")
+                    im.paste((0, 0, 0), (5 * c, 4 * i, 5 * c + 10 + n, 30))
+                    im.save(root / "sketch" / f"c{c}" / f"p{c}_{i}-{n}.png")
+    split = tmp_path / "test-classes.txt"
+    split.write_text("c6\n")
+    out = tmp_path / "out"
+    args = ["--data", str(root), "--split", str(split), "--out", str(out), "--folds", "2",
+            "--cache-dir", str(tmp_path / "cache"), "--kernels", "class", "instance 0.5",
+            "soft 0.5, tau 0.1", "--override", "epochs=2", "modes=4", "hidden=8",
+            "batch_size=8", "raw_dims=4", "image_size=32"]
+    assert main(args) == 0
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted({r["set"] for r in rows}) == ["fold0", "fold1", "valid"] and len(rows) == 9
+    for r in rows:
+        assert 0 < r["service_map"] <= 1 and 0 < r["learned_map"] <= 1
+        assert len(r["sigma"]) == 4 and r["sigma"] == sorted(r["sigma"], reverse=True)
+        assert min(r["sigma_norm"]) >= 0
+        heads = torch.load(out / "heads" / f"{r['kernel']}-{r['set']}-0.pt")
+        assert heads["photo"]["mlp.2.weight"].shape == (4, 8)
+    ranks = {r["kernel"]: r["kernel_effective_rank"] for r in rows if r["set"] == "valid"}
+    assert ranks["class"] < ranks["instance 0.5"]  # rank 3 against 3 + 11 values a
+    assert main([*args, "--spectra", "--folds", "0"]) == 0
+    spectra = [json.loads(x) for x in (out / "spectra.jsonl").read_text().splitlines()]
+    # 4 training classes, 12 photos with sketches: ranks C - 1 and 12 - 1; the soft rows
+    # are spread over the photos of a class, between the two
+    assert [(s["kernel"], s["set"], s["rank"]) for s in spectra[:2]] == [
+        ("class", "valid", 3), ("instance 0.5", "valid", 11)]
+    assert 3 < spectra[2]["rank"] <= 11
+    assert main(args) == 0  # every run is done already: nothing is added
+    assert len((out / "results.jsonl").read_text().splitlines()) == 9
+    capsys.readouterr()
+    assert main(["--out", str(out), "--report"]) == 0
+    table = capsys.readouterr().out
+    assert "| instance 0.5 | folds mean | 2 |" in table and "| class | valid | 1 |" in table
 
 
 @pytest.fixture(scope="module")

@@ -275,19 +275,33 @@ def cdk_loss(f, g, vector_mask, matrix_mask) -> torch.Tensor:
 
 
 @torch.no_grad()
-def singular_values(f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """sigma_l = sqrt(E[f_l(X)^2] E[g_l(Y)^2]) from samples f: (B1, L), g: (B2, L) -> (L,)."""
+def singular_values(f: torch.Tensor, g: torch.Tensor,
+                    photo_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """sigma_l = sqrt(E[f_l(X)^2] E[g_l(Y)^2]) from samples f: (B1, L), g: (B2, L) -> (L,).
+    photo_weights: (B2,) the probability of each row of g under p(y) (summing to 1), when
+    g is given at the distinct photos rather than at samples of p(y)."""
     _check_2d("f", f)
     _check_2d("g", g)
     if f.shape[1] != g.shape[1]:
         raise ValueError(f"f has L={f.shape[1]} modes but g has L={g.shape[1]}")
     f = f.to(_compute_dtype(f))
     g = g.to(f.dtype)
-    return ((f**2).mean(0) * (g**2).mean(0)).sqrt()
+    return ((f**2).mean(0) * _mean(g**2, photo_weights)).sqrt()
+
+
+def _mean(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """(B, L) -> (L,): the mean over rows, or the weighted sum with ``weights`` (B,)."""
+    if weights is None:
+        return x.mean(0)
+    if weights.shape != (len(x),):
+        raise ValueError(f"photo_weights must have one weight per row of g ({len(x)}), "
+                         f"got shape {tuple(weights.shape)}")
+    return weights.to(x.dtype) @ x
 
 
 @torch.no_grad()
-def cdk_singular_values(f: torch.Tensor, g: torch.Tensor, joint: torch.Tensor) -> torch.Tensor:
+def cdk_singular_values(f: torch.Tensor, g: torch.Tensor, joint: torch.Tensor,
+                        photo_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Rayleigh quotients of the CDK k(x, y) = p(x, y) / (p(x) p(y)) - 1 at the learned pairs:
 
         sigma_l = <f_l, K g_l> / (|f_l| |g_l|)
@@ -295,9 +309,12 @@ def cdk_singular_values(f: torch.Tensor, g: torch.Tensor, joint: torch.Tensor) -
 
     from f: (B1, L) at samples of p(x), g: (B2, L) at samples of p(y) and joint: (L,) the
     expectation E_p(x,y)[f_l(X) g_l(Y)] (the sampler of pairs knows p(x, y);
-    ``training.cdk.data.PairSampler.joint_moment``). At exact singular pairs this equals
-    ``singular_values``; near them its error is second order in the pairs' error (the
-    norms' estimate is first order), which makes it the estimate to order modes by."""
+    ``training.cdk.data.PairSampler.joint_moment``). When g is given at the distinct
+    photos instead, photo_weights (B2,) is p(y) at them (``PairSampler.photo_marginal``):
+    a photo that is drawn more often counts more in E g and E g^2. At exact singular pairs
+    this equals ``singular_values``; near them its error is second order in the pairs'
+    error (the norms' estimate is first order), which makes it the estimate to order modes
+    by."""
     _check_2d("f", f)
     _check_2d("g", g)
     if not f.shape[1] == g.shape[1] == joint.shape[-1]:
@@ -305,8 +322,8 @@ def cdk_singular_values(f: torch.Tensor, g: torch.Tensor, joint: torch.Tensor) -
                          f"{joint.shape[-1]}")
     dtype = _compute_dtype(f)
     f, g, joint = f.to(dtype), g.to(dtype), joint.to(dtype)
-    cross = joint - f.mean(0) * g.mean(0)
-    return cross / ((f**2).mean(0) * (g**2).mean(0)).sqrt().clamp_min(1e-30)
+    cross = joint - f.mean(0) * _mean(g, photo_weights)
+    return cross / ((f**2).mean(0) * _mean(g**2, photo_weights)).sqrt().clamp_min(1e-30)
 
 
 @torch.no_grad()

@@ -28,3 +28,38 @@ def rayleigh_quotients(f, g, K) -> torch.Tensor:
     S, P = K.shape
     num = torch.einsum("il,ij,jl->l", f, K, g) / (S * P)
     return num / ((f**2).sum(0) / S * (g**2).sum(0) / P).sqrt()
+
+
+def pair_matrix(sketch_labels, photo_labels, pairing: str = "class", photo_of=None
+                ) -> torch.Tensor:
+    """(S, P) p(x_i, y_j) as the pair sampler's definition states it: every sketch equally
+    likely; class pairing: a photo of the sketch's class uniformly; instance pairing: the
+    photo it was drawn from."""
+    sl, pl = np.asarray(sketch_labels), np.asarray(photo_labels)
+    S, P = len(sl), len(pl)
+    joint = np.zeros((S, P))
+    for i in range(S):
+        for j in range(P):
+            if pairing == "instance":
+                joint[i, j] = (photo_of[i] == j) / S
+            else:
+                joint[i, j] = (pl[j] == sl[i]) / (pl == sl[i]).sum() / S
+    return torch.as_tensor(joint)
+
+
+def quotients_of_joint(f, g, joint) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Rayleigh quotients, sqrt(E f^2 E g^2)) of the CDK of the joint distribution ``joint``
+    (S, P), every expectation a sum over all pairs: the marginals are joint's row and
+    column sums."""
+    f, g = torch.as_tensor(f).double(), torch.as_tensor(g).double()
+    px, py = joint.sum(1), joint.sum(0)
+    L = f.shape[1]
+    cross, ff, gg = (torch.zeros(L, dtype=torch.float64) for _ in range(3))
+    for i in range(len(px)):
+        ff += px[i] * f[i] ** 2
+        for j in range(len(py)):
+            cross += joint[i, j] * f[i] * g[j]
+    for j in range(len(py)):
+        gg += py[j] * g[j] ** 2
+    cross -= (px @ f) * (py @ g)
+    return cross / (ff * gg).sqrt(), (ff * gg).sqrt()

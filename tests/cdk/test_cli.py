@@ -90,6 +90,8 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
     for png in ("structure.png", "spectrum.png", "gallery.png"):
         assert (out / png).stat().st_size > 1000
     assert m["split"]["train_classes"] == 3 and m["split"]["valid_classes"] == 2
+    assert m["evaluated_on"] == "test" and m["note"] is None
+    assert m["test_counts"] == {"sketches": 6, "photos": 6}
     v = m["valid"]
     assert v["classes"] == list(VALID) and v["counts"] == {"sketches": 6, "photos": 6}
     assert sorted(v["map_by_dims"], key=int) == sorted(v["precision_by_dims"], key=int) == [
@@ -196,3 +198,51 @@ def test_cli_paper_preset_says_it_does_not_fit_and_writes_its_config(tiny, tmp_p
         "paper", 0, 4096, "vgg16")
     m = json.loads((out / "metrics.json").read_text())
     assert m["smoothed"] is None and m["config"] == cfg
+
+
+def _generated(root: Path, classes: int = 6, per_class: int = 3) -> Path:
+    """Generated paired images: dark strokes on white (sketches) and colour fields
+    (photos), per_class of each per class, sketch i drawn from photo i."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        for mod in ("sketch", "photo"):
+            (root / mod / f"k{c}").mkdir(parents=True)
+        for i in range(per_class):
+            sketch = np.full((40, 40, 3), 255, np.uint8)
+            r = int(rng.integers(4, 30))
+            sketch[r : r + 3, 4 + c : 36] = 0
+            photo = (rng.random((40, 40, 3)) * 60).astype(np.uint8)
+            photo[..., c % 3] += 40 * (1 + c // 3)
+            Image.fromarray(sketch).save(root / "sketch" / f"k{c}" / f"p{i}-1.png")
+            Image.fromarray(photo).save(root / "photo" / f"k{c}" / f"p{i}.png")
+    return root
+
+
+def test_cli_split_none_trains_on_every_class_but_validation_and_says_so(tmp_path, capsys):
+    """--split none: no test class; the validation classes are the usual rule's, every
+    other class trains; the top-level numbers are the validation classes' and the run says
+    so (printed and in metrics.json), with no test counts."""
+    from training.cdk.splits import validation_classes
+
+    root = _generated(tmp_path / "data")
+    out = tmp_path / "run"
+    assert main(_args(root, "none", out, tmp_path / "cache", "--epochs", "1")) == 0
+    printed = capsys.readouterr().out
+    m = json.loads((out / "metrics.json").read_text())
+    classes = [f"k{c}" for c in range(6)]
+    valid = validation_classes(classes)
+    assert m["split"] == {"name": "none", "train_classes": 4, "valid_classes": 2,
+                          "test_classes": []}
+    assert m["evaluated_on"] == "valid" and m["test_counts"] is None
+    assert "no test classes" in m["note"] and m["note"] in printed
+    assert "on none valid classes" in printed
+    assert m["valid"]["classes"] == valid
+    # the top level scores the validation classes: the same queries as "valid"
+    for key in ("map_all", "precision_at_k"):
+        assert m[key] == pytest.approx(m["valid"][key], abs=1e-9)
+    assert m["map_by_dims"] == m["valid"]["map_by_dims"]
+    assert (out / "gallery.png").stat().st_size > 1000
+    assert load_checkpoint(out / "checkpoint.pt")["config"]["split"] == "none"
+

@@ -180,6 +180,16 @@ def test_splits(tmp_path):
         split_classes("nosuchsplit", classes)
 
 
+def test_split_none_holds_out_no_test_class_and_the_usual_validation_classes():
+    classes = [f"c{i:03d}" for i in range(125)]
+    s = split_classes("none", classes[::-1])
+    assert s["test"] == [] and s["valid"] == validation_classes(classes)
+    assert len(s["valid"]) == 13 and sorted(s["train"] + s["valid"]) == classes
+    assert not set(s["train"]) & set(s["valid"])
+    with pytest.raises(ValueError, match="4 classes give none"):
+        split_classes("none", classes[:4])
+
+
 # sketchy1's classes as the SEM-PCYC rule drew them before validation_classes existed.
 SKETCHY1_C_VALID = ["c009", "c044", "c046", "c047", "c058", "c067", "c070", "c081", "c087",
                     "c088", "c102", "c114"]

@@ -109,3 +109,66 @@ def test_heldout_order_flags_halves_that_disagree():
     out = heldout_order(agree, b)
     assert out["max_swap"] == pytest.approx(0.1) and out["rising_pairs"] == 1
     assert spectrum_order(agree)["max_swap"] == pytest.approx(0.1)  # as given: unsorted
+
+
+# photos with 3, 1, 0, 2, 1 and 1 sketches (instance pairing), and classes whose ratios of
+# sketches to photos differ (class pairing)
+UNEVEN_PHOTO_LABELS = np.array([0, 0, 1, 1, 1, 1])
+UNEVEN_PHOTO_OF = np.array([0, 0, 0, 1, 3, 3, 4, 5])  # photo 2 has no sketch
+UNEVEN_SKETCH_LABELS = UNEVEN_PHOTO_LABELS[UNEVEN_PHOTO_OF]  # 4 of class 0 (2 photos), 4 of 1 (4)
+
+
+def _uneven_model(L: int = 3):
+    from training.cdk.inputs import FeatureInputs, PairModel
+    from training.cdk.model.heads import Head
+
+    gen = torch.Generator().manual_seed(3)
+    feats = {"sketch": torch.randn(len(UNEVEN_SKETCH_LABELS), 5, generator=gen),
+             "photo": torch.randn(len(UNEVEN_PHOTO_LABELS), 5, generator=gen)}
+    torch.manual_seed(0)
+    model = PairModel({m: Head(5, 8, L, 16.0) for m in ("sketch", "photo")}, None)
+    return model, FeatureInputs(feats, model), feats
+
+
+@pytest.mark.parametrize("pairing", ["instance", "class"])
+def test_spectrum_pass_weighs_photos_by_the_kernels_photo_marginal(pairing):
+    """The spectrum pass's quotients and norms equal the CDK's written out over every
+    (sketch, photo) pair of the sampler's p(x, y), whose photo marginal is not uniform
+    here: the photos' moments are weighted by how often the batches draw each photo
+    (counted over many epochs), not averaged over the photos."""
+    from tests.cdk.reference import pair_matrix, quotients_of_joint
+    from training.cdk.spectrum import spectrum
+
+    sampler = PairSampler(UNEVEN_SKETCH_LABELS, UNEVEN_PHOTO_LABELS, pairing, UNEVEN_PHOTO_OF)
+    joint = pair_matrix(UNEVEN_SKETCH_LABELS, UNEVEN_PHOTO_LABELS, pairing, UNEVEN_PHOTO_OF)
+    counts = torch.zeros(len(UNEVEN_PHOTO_LABELS), dtype=torch.float64)
+    for epoch in range(2000):
+        for _, p in sampler.epoch(0, epoch, 4):
+            counts += torch.bincount(p, minlength=len(counts))
+    torch.testing.assert_close(sampler.photo_marginal(), joint.sum(0))
+    assert (counts / counts.sum() - joint.sum(0)).abs().max() < 0.01  # 16,000 draws
+    assert (joint.sum(0) - 1 / len(counts)).abs().max() > 0.05  # not uniform
+
+    model, inputs, feats = _uneven_model()
+    sigma, sigma_norm, held = spectrum(model, sampler, inputs, seed=0, heldout=True)
+    with torch.no_grad():
+        f, g = (model.heads[m](feats[m]) for m in ("sketch", "photo"))
+    want, want_norm = quotients_of_joint(f, g, joint)
+    torch.testing.assert_close(sigma.double(), want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(sigma_norm.double(), want_norm, atol=1e-6, rtol=1e-5)
+    assert held is not None
+
+
+def test_photo_marginal_on_subsets_is_the_restricted_kernels():
+    """On given rows, the photo marginal is that of the pairs joint_moment reads there:
+    sketches whose pair is among the given photos, each as likely."""
+    inst = PairSampler(UNEVEN_SKETCH_LABELS, UNEVEN_PHOTO_LABELS, "instance", UNEVEN_PHOTO_OF)
+    # sketches 0, 1, 4 and 6 of photos 0, 0, 3 and 4 (absent): photo 0 twice, 3 once, 2 never
+    got = inst.photo_marginal(torch.tensor([0, 1, 4, 6]), torch.tensor([3, 0, 2]))
+    torch.testing.assert_close(got, torch.tensor([1 / 3, 2 / 3, 0.0], dtype=torch.float64))
+    cls = PairSampler(UNEVEN_SKETCH_LABELS, UNEVEN_PHOTO_LABELS)
+    # sketches of classes 0, 0, 1 over photos 1 (class 0) and 2, 5 (class 1)
+    got = cls.photo_marginal(torch.tensor([0, 3, 6]), torch.tensor([1, 2, 5]))
+    torch.testing.assert_close(got, torch.tensor([2 / 3, 1 / 6, 1 / 6], dtype=torch.float64))
+    with pytest.raises(ValueError, match="no sketch"):
+        inst.photo_marginal(torch.tensor([6]), torch.tensor([0]))

@@ -25,7 +25,10 @@ def _main(argv: list[str]) -> int:
     m = run(cfg, say=lambda line: print(line, flush=True))
     if m:
         dims = " ".join(f"{d}:{v:.3f}" for d, v in m["map_by_dims"].items())
-        print(f"{cfg.method} on {cfg.split} test classes: mAP@all {m['map_all']:.4f}  "
+        if m["note"]:
+            print(m["note"])
+        where = f"{cfg.split} {m['evaluated_on']} classes"
+        print(f"{cfg.method} on {where}: mAP@all {m['map_all']:.4f}  "
               f"P@{m['k']} {m['precision_at_k']:.4f}  (raw {cfg.backbone} cosine: mAP@all "
               f"{m['raw_backbone_cosine']['map_all']:.4f}, P@{m['k']} "
               f"{m['raw_backbone_cosine']['precision_at_k']:.4f})")
@@ -36,7 +39,7 @@ def _main(argv: list[str]) -> int:
         if m["smoothed"] is not None:  # what an index of these photos returns
             sm, c = m["smoothed"], m["smoothed"]["config"]
             print(f"against the smoothed gallery (k={c['k']}, weight {c['weight']}, "
-                  f"{c['rounds']} rounds): test mAP@all {sm['map_all']:.4f}  "
+                  f"{c['rounds']} rounds): {m['evaluated_on']} mAP@all {sm['map_all']:.4f}  "
                   f"P@{m['k']} {sm['precision_at_k']:.4f}" + (
                       "" if m["valid"] is None else
                       f"; validation mAP@all {m['valid']['smoothed']['map_all']:.4f}"))

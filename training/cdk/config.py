@@ -41,7 +41,9 @@ class Config:
 
     # -- the paper's method: NestedLoRA on the canonical dependence kernel (section 4.2)
     data: str = ""  # ROOT with {sketch,photo}/<class>/<file> or the Sketchy Extended layout
-    split: str = "sketchy2"  # sketchy2 | sketchy1 | FILE listing test classes
+    # sketchy2 | sketchy1 | FILE listing test classes | none (no test classes: every class
+    # but the validation classes trains, for a model that serves the classes it saw)
+    split: str = "sketchy2"
     # the kernel's p(x, y). class: E_c[p(x|c) p(y|c)] (the paper's); instance: each sketch
     # with the photo it was drawn from
     pairing: str = "class"
@@ -291,8 +293,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     cfg = cli.parse(parser, make_config, argv)
     if not Path(cfg.data).is_dir():
         parser.error(f"--data {cfg.data!r} is not a folder")
-    if cfg.split not in ("sketchy1", "sketchy2") and not Path(cfg.split).is_file():
-        parser.error(f"--split must be sketchy2, sketchy1 or an existing FILE, got {cfg.split!r}")
+    if cfg.split not in ("sketchy1", "sketchy2", "none") and not Path(cfg.split).is_file():
+        parser.error(f"--split must be sketchy2, sketchy1, none or an existing FILE, got "
+                     f"{cfg.split!r}")
     return cfg
 
 

@@ -147,6 +147,32 @@ class PairSampler:
             raise ValueError("no sketch among the given rows has its pair among the photos")
         return pairs.mean(0)
 
+    @torch.no_grad()
+    def photo_marginal(self, sketch_idx=None, photo_idx=None) -> torch.Tensor:
+        """(P,) float64 p(y) at the photos ``photo_idx`` (None: all, in order), summing to 1:
+        how often the batches draw each photo, for the distribution ``joint_moment`` reads
+        on the given rows (its sketches ``sketch_idx``, each as likely, paired among the
+        given photos). Class pairing: a sketch of class c puts 1 / #photos of c on each of
+        them; instance pairing: 1 on the photo it was drawn from, so a photo with three
+        sketches is drawn three times as often as one with one, and one with none never."""
+        s_idx = (torch.arange(len(self.sketch_labels)) if sketch_idx is None
+                 else torch.as_tensor(sketch_idx).long())
+        p_idx = (torch.arange(len(self.photo_labels)) if photo_idx is None
+                 else torch.as_tensor(photo_idx).long())
+        if self.pairing == "instance":
+            row = torch.full((len(self.photo_labels),), -1, dtype=torch.long)
+            row[p_idx] = torch.arange(len(p_idx))
+            partner = row[self.photo_of[s_idx]]
+            w = torch.bincount(partner[partner >= 0], minlength=len(p_idx)).double()
+        else:
+            labels = self.photo_labels[p_idx]
+            n = torch.bincount(labels, minlength=len(self.count)).double()
+            sketches = torch.bincount(self.sketch_labels[s_idx], minlength=len(n)).double()
+            w = (sketches * (n > 0))[labels] / n[labels]
+        if float(w.sum()) == 0:
+            raise ValueError("no sketch among the given rows has its pair among the photos")
+        return w / w.sum()
+
     def halves(self, sketch_idx=None, photo_idx=None):
         """The given rows (None: all, in order) cut in two halves A and B of the same
         distribution, for a held-out check of an estimate: [(sketch_pos_A, photo_pos_A),

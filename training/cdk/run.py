@@ -64,7 +64,7 @@ def run(cfg: Config, say: Callable[[str], None] = log.info) -> dict:
     tr_s, tr_p = distributed.main_first(
         lambda: (_features(cfg, bbs["sketch"], tr.sketches, "train sketches", device),
                  _features(cfg, bb, tr.photos, "train photos", device)))
-    later = _evaluation_features_first(cfg, bbs, (va, te), device)
+    later = _evaluation_features_first(cfg, bbs, {"valid": va, "test": te}, device)
     per_image = (time.perf_counter() - t0) / max(1, len(tr.sketches) + len(tr.photos) + (
         0 if later else sum(len(d.sketches) + len(d.photos) for d in (va, te))))
     t0 = time.perf_counter()
@@ -80,15 +80,17 @@ def run(cfg: Config, say: Callable[[str], None] = log.info) -> dict:
     return metrics
 
 
-def _evaluation_features_first(cfg: Config, bbs: dict, sets, device) -> int:
+def _evaluation_features_first(cfg: Config, bbs: dict, sets: dict[str, Dataset],
+                               device) -> int:
     """Frozen backbones with a feature cache: the validation and test images' features
     computed now (evaluation then reads them from the cache), so that what remains after
     the first step can be estimated. Returns how many images are left for evaluation to
     embed with its backbones (fine-tuned ones, or no cache to keep them in)."""
-    count = sum(len(d.sketches) + len(d.photos) for d in sets)
+    sets = {name: d for name, d in sets.items() if d.classes}  # split none: no test set
+    count = sum(len(d.sketches) + len(d.photos) for d in sets.values())
     if cfg.finetune or not cfg.cache_dir:
         return count
-    for d, name in zip(sets, ("valid", "test"), strict=True):
+    for name, d in sets.items():
         distributed.main_first(lambda d=d, name=name: [
             _features(cfg, bbs[m], files, f"{name} {m}s", device)
             for m, files in (("sketch", d.sketches), ("photo", d.photos))])
@@ -115,21 +117,32 @@ def _duration(seconds: float) -> str:
 
 def _evaluate_and_write(cfg: Config, bbs: dict, res: TrainResult, split: dict, va: Dataset,
                         te: Dataset, tr_s, tr_p, device, train_seconds: float) -> dict:
-    """Evaluation on the test and validation classes, metrics.json and the plots."""
+    """Evaluation on the test and validation classes, metrics.json and the plots. A split
+    without test classes (``none``) is evaluated on its validation classes instead, and
+    says so."""
     out = Path(cfg.out)
-    ev = evaluate(cfg, bbs, res, te, tr_s, tr_p, device)
+    on_test = bool(te.classes)
+    if not on_test:
+        log.info(NO_TEST_NOTE, len(split["train"]), len(split["valid"]))
+    ev = evaluate(cfg, bbs, res, te if on_test else va, tr_s, tr_p, device)
     valid = evaluate_valid(cfg, bbs, res, va, device)
-    log.info("mAP@all: valid %s, test %.4f (choose settings on valid)",
+    log.info("mAP@all: valid %s, test %s (choose settings on valid)",
              "n/a (no validation classes)" if valid is None else f"{valid['map_all']:.4f}",
-             ev.full["map_all"])
+             f"{ev.full['map_all']:.4f}" if on_test else "n/a (no test classes)")
     if ev.smoothed is not None:
-        log.info("mAP@all against the smoothed gallery: valid %s, test %.4f",
+        log.info("mAP@all against the smoothed gallery: valid %s, test %s",
                  "n/a" if valid is None else f"{valid['smoothed']['map_all']:.4f}",
-                 ev.smoothed["map_all"])
+                 f"{ev.smoothed['map_all']:.4f}" if on_test else "n/a")
     metrics = metrics_json(cfg, split, te, res, ev, train_seconds, valid)
     atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")
-    write_plots(cfg, te, res, ev, out)
+    write_plots(cfg, te if on_test else va, res, ev, out)
     return metrics
+
+
+NO_TEST_NOTE = ("split none: no test classes are held out; every class but the validation "
+                "classes trained (%d classes), so the model has seen the classes of a gallery "
+                "it serves. There are no test (zero-shot) numbers: metrics.json's top-level "
+                "numbers and the plots are those of the %d validation classes")
 
 
 def load_data(cfg: Config) -> tuple[dict, Dataset, Dataset, Dataset]:
@@ -281,8 +294,10 @@ def _by_dims(curve: dict, metric: str) -> dict[str, float]:
 def metrics_json(cfg: Config, split: dict, te: Dataset, res: TrainResult, ev: Evaluation,
                  train_seconds: float, valid: dict | None) -> dict:
     """The contents of metrics.json (benchmarks and tests read these keys): the top-level
-    retrieval numbers are the test classes'; ``valid`` (evaluate_valid) is those of the
-    validation classes, the ones to choose settings by (null when there are none)."""
+    retrieval numbers are the test classes' (``ev``), or the validation classes' where the
+    split holds out no test classes ("evaluated_on" says which); ``valid``
+    (evaluate_valid) is those of the validation classes, the ones to choose settings by
+    (null when there are none)."""
     return {
         **ev.full,
         "map_by_dims": _by_dims(ev.curves["most"], "map_all"),
@@ -316,7 +331,13 @@ def metrics_json(cfg: Config, split: dict, te: Dataset, res: TrainResult, ev: Ev
         "seed": cfg.seed,
         "split": {"name": cfg.split, "train_classes": len(split["train"]),
                   "valid_classes": len(split["valid"]), "test_classes": split["test"]},
-        "test_counts": {"sketches": len(te.sketches), "photos": len(te.photos)},
+        # which classes the top-level numbers are of: "test", or "valid" for a split that
+        # holds out no test classes (none; its note says so)
+        "evaluated_on": "test" if te.classes else "valid",
+        "note": None if te.classes else NO_TEST_NOTE % (len(split["train"]),
+                                                        len(split["valid"])),
+        "test_counts": ({"sketches": len(te.sketches), "photos": len(te.photos)}
+                        if te.classes else None),
         "valid": valid,
         "train_seconds": train_seconds,
         "history": res.history,

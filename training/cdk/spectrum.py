@@ -15,7 +15,8 @@ __all__ = ["spectrum", "sort_modes"]
 
 def _quotients(out: list[torch.Tensor], idx: dict, sampler) -> torch.Tensor:
     joint = sampler.joint_moment(out[0], out[1], idx["sketch"], idx["photo"])
-    return cdk_singular_values(out[0], out[1], joint).float()
+    weights = sampler.photo_marginal(idx["sketch"], idx["photo"])
+    return cdk_singular_values(out[0], out[1], joint, weights).float()
 
 
 @torch.no_grad()
@@ -24,7 +25,11 @@ def spectrum(model, sampler, inputs, seed: int, heldout: bool = False
     """(sigma, sigma_norm, held), sigma and sigma_norm (modes,) on the training rows that
     ``inputs.outputs`` embeds: sigma the CDK's Rayleigh quotients
     (training.loss.cdk_singular_values, with the joint moment of ``sampler``'s p(x, y)),
-    sigma_norm = sqrt(E f_l(X)^2 E g_l(Y)^2). With ``heldout``, held is
+    sigma_norm = sqrt(E f_l(X)^2 E g_l(Y)^2); the photos' moments are taken under the
+    kernel's photo marginal (``sampler.photo_marginal``: the photos as the batches draw
+    them), which is not uniform over the photos under instance pairing (a photo with more
+    sketches is drawn more often) nor under class pairing with classes of unequal
+    sketch-to-photo ratios. With ``heldout``, held is
     metrics.heldout_order of the quotients read on two halves of the same rows
     (PairSampler.halves): is the modes' order a property of the functions, or of the sample
     that estimated it? Else None. Leaves the model in eval mode."""
@@ -37,7 +42,9 @@ def spectrum(model, sampler, inputs, seed: int, heldout: bool = False
                     for m, pos in (("sketch", s_pos), ("photo", p_pos))}
             halves.append(_quotients([out[0][s_pos], out[1][p_pos]], rows, sampler))
         held = heldout_order(*halves)
-    return _quotients(out, idx, sampler), singular_values(out[0], out[1]).float(), held
+    weights = sampler.photo_marginal(idx["sketch"], idx["photo"])
+    return (_quotients(out, idx, sampler), singular_values(out[0], out[1], weights).float(),
+            held)
 
 
 def sort_modes(model, sv: torch.Tensor, sv_norm: torch.Tensor | None):

@@ -1,6 +1,8 @@
 """Zero-shot class splits of Sketchy: split 2 (Yelamarthi et al., ECCV 2018), split 1
 (Shen et al. 2018 / SEM-PCYC: seeded random 80/10/10 over the sorted class list), or a
-user file listing the test classes (one per line, ``#`` comments allowed).
+user file listing the test classes (one per line, ``#`` comments allowed); and ``none``,
+which holds out no test class: every class but the validation classes trains, for a model
+that serves a gallery of the classes it was trained on.
 
 Split 2 and file splits name no validation classes, so ``validation_classes`` carves them
 from the training classes by a fixed rule (no RNG): the round(n_train / 10) training
@@ -15,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["SKETCHY2_TEST", "class_folds", "split_classes", "validation_classes"]
+__all__ = ["NO_TEST", "SKETCHY2_TEST", "class_folds", "split_classes", "validation_classes"]
+
+NO_TEST = "none"  # the split that holds out no test classes
 
 # The 21 test classes of Sketchy split 2; of the other 104, validation_classes holds out 10.
 SKETCHY2_TEST = (
@@ -83,19 +87,24 @@ def _read_class_file(path: Path) -> list[str]:
 
 def split_classes(spec: str, classes: list[str]) -> dict[str, list[str]]:
     """{"train", "valid", "test"} disjoint sorted class lists for ``spec`` (sketchy2 |
-    sketchy1 | FILE) over the dataset's ``classes``; a test class missing from the data is
-    an error. sketchy1 keeps its own validation classes; the others get
-    ``validation_classes`` of their training classes (which then leave training)."""
+    sketchy1 | none | FILE) over the dataset's ``classes``; a test class missing from the
+    data is an error. sketchy1 keeps its own validation classes; the others get
+    ``validation_classes`` of their training classes (which then leave training). ``none``
+    lists no test class, and needs the validation classes that the others may go without
+    (at least 5 classes): they are what its run is evaluated on."""
     classes = sorted(classes)
     if spec == "sketchy1":
         train, valid, test = _sketchy1(classes)
         return {"train": train, "valid": valid, "test": test}
-    if spec == "sketchy2":
+    if spec == NO_TEST:
+        test = []
+    elif spec == "sketchy2":
         test = list(SKETCHY2_TEST)
     elif Path(spec).is_file():
         test = _read_class_file(Path(spec))
     else:
-        raise ValueError(f"split must be sketchy2, sketchy1 or an existing file, got {spec!r}")
+        raise ValueError(f"split must be sketchy2, sketchy1, none or an existing file, "
+                         f"got {spec!r}")
     missing = sorted(set(test) - set(classes))
     if missing:
         raise ValueError(f"split {spec!r}: test classes not in the data: {missing}")
@@ -105,5 +114,8 @@ def split_classes(spec: str, classes: list[str]) -> dict[str, list[str]]:
     if not rest:
         raise ValueError(f"split {spec!r} leaves no training classes")
     valid = validation_classes(rest)
+    if spec == NO_TEST and not valid:
+        raise ValueError(f"split 'none' is evaluated on validation classes, and "
+                         f"{len(rest)} classes give none (it needs at least 5)")
     train = [c for c in rest if c not in set(valid)]
     return {"train": train, "valid": valid, "test": sorted(test)}

