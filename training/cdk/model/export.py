@@ -177,11 +177,11 @@ def load_or_export(embedder, index: str | Path, threads: int = 1, modality: str 
                          lambda: export_encoder(embedder, modality))
     if precision == "fp32":
         return fp32
-    from .quantize import QuantizationError, quantize
+    from .quantize import QuantizationError
 
     try:
         int8 = _load_or_make(embedder, index, threads, modality, "int8",
-                             lambda: quantize(embedder, modality, fp32, data))
+                             lambda: _quantize(embedder, modality, fp32, data))
         _check_parity(int8, modality)
     except QuantizationError as err:
         if precision == "int8":
@@ -243,3 +243,32 @@ def _faster(fp32: OnnxEncoder, int8: OnnxEncoder, modality: str, rounds: int = 7
     log.info("%s encoder: int8 %.1f ms, float32 %.1f ms a forward on this CPU: serving %s",
              modality, ms["int8"], ms["fp32"], chosen.precision)
     return chosen
+
+
+def _quantize(embedder, modality: str, fp32, data: str | Path | None = None) -> bytes:
+    """The int8 graph of `fp32` (an OnnxEncoder of `modality`), calibrated on the
+    checkpoint's training classes and with its validation-class parity in its metadata."""
+    import onnx
+
+    from .quantize import (
+        calibration_files,
+        calibration_sets,
+        measure_parity,
+        preprocessed,
+        quantize_graph,
+        with_metadata,
+    )
+
+    train, valid = calibration_sets(embedder.config, data)
+    files = calibration_files(train, modality)
+    log.info("quantizing the %s encoder to int8: %d calibration images of %d training "
+             "classes", modality, len(files), len(train.classes))
+    graph = quantize_graph(fp32.data, preprocessed(embedder, files, modality), INPUT)
+    proto = onnx.load_from_string(graph)
+    meta = {**{p.key: p.value for p in proto.metadata_props}, **fp32.meta,
+            "precision": "int8", "calibration_images": str(len(files))}
+    loaded = OnnxEncoder(with_metadata(proto, meta), fp32.meta["checkpoint_sha256"],
+                         modality, precision="int8", source=f"int8 {modality} encoder")
+    parity = measure_parity(embedder, valid, modality, fp32, loaded)
+    log.info("int8 %s encoder: %s", modality, parity)
+    return with_metadata(proto, {**meta, **parity.metadata()})

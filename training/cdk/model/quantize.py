@@ -37,7 +37,7 @@ from ..splits import split_classes
 
 __all__ = ["PARITY_MAP_DROP", "PARITY_OVERLAP", "Parity", "QuantizationError",
            "calibration_files", "calibration_sets", "measure_parity", "preprocessed",
-           "quantize", "quantize_graph"]
+           "quantize_graph", "with_metadata"]
 
 log = logging.getLogger(__name__)
 
@@ -191,29 +191,7 @@ def measure_parity(embedder, valid: Dataset, modality: str, fp32: Encode, int8: 
     return Parity(maps["fp32"], maps["int8"], float(overlap), len(q_labels))
 
 
-def quantize(embedder, modality: str, fp32, data: str | Path | None = None) -> bytes:
-    """The int8 graph of `fp32` (an export.OnnxEncoder of `modality`), calibrated on the
-    checkpoint's training classes and with its validation-class parity in its metadata."""
-    import onnx
-
-    from .export import INPUT, OnnxEncoder
-
-    train, valid = calibration_sets(embedder.config, data)
-    files = calibration_files(train, modality)
-    log.info("quantizing the %s encoder to int8: %d calibration images of %d training "
-             "classes", modality, len(files), len(train.classes))
-    graph = quantize_graph(fp32.data, preprocessed(embedder, files, modality), INPUT)
-    proto = onnx.load_from_string(graph)
-    meta = {**{p.key: p.value for p in proto.metadata_props}, **fp32.meta,
-            "precision": "int8", "calibration_images": str(len(files))}
-    loaded = OnnxEncoder(_with_metadata(proto, meta), fp32.meta["checkpoint_sha256"],
-                         modality, precision="int8", source=f"int8 {modality} encoder")
-    parity = measure_parity(embedder, valid, modality, fp32, loaded)
-    log.info("int8 %s encoder: %s", modality, parity)
-    return _with_metadata(proto, {**meta, **parity.metadata()})
-
-
-def _with_metadata(proto, meta: dict[str, str]) -> bytes:
+def with_metadata(proto, meta: dict[str, str]) -> bytes:
     del proto.metadata_props[:]
     for key, value in sorted(meta.items()):
         proto.metadata_props.add(key=key, value=value)

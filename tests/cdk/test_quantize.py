@@ -1,0 +1,94 @@
+"""The int8 encoder (training.cdk.model.quantize, export.load_or_export): the quantized graph
+against the float32 graph it came from, its parity measured on validation classes and kept in
+its metadata, the cache, and the precision rule (int8 refused when parity fails; auto falls
+back to float32). Real sketchy-mini sketches for calibration and parity."""
+
+import logging
+
+import numpy as np
+import onnx
+import pytest
+
+import training.cdk.model.quantize as quantize_mod
+from tests.conftest import DATA
+from tests.service.test_encoder import with_metadata
+from training.cdk.model.embedder import Embedder
+from training.cdk.model.export import INPUT, OnnxEncoder, encoder_path, load_or_export
+from training.cdk.model.quantize import Parity, QuantizationError
+
+pytestmark = pytest.mark.skipif(not (DATA / "sketch").is_dir(),
+                                reason=f"needs sketchy-mini at {DATA}")
+
+
+@pytest.fixture(scope="module")
+def int8_setup(real_checkpoint, tmp_path_factory):
+    """The float32 and int8 graphs of an untrained checkpoint (whose int8 parity may fail:
+    the graph is cached either way)."""
+    embedder = Embedder.from_checkpoint(real_checkpoint, device="cpu")
+    index = tmp_path_factory.mktemp("int8") / "index"
+    try:
+        load_or_export(embedder, index, precision="int8", data=DATA)
+    except QuantizationError as err:
+        assert "parity" in str(err)
+    path = encoder_path(index, embedder.checkpoint_sha256, "sketch", precision="int8")
+    int8 = OnnxEncoder(path, embedder.checkpoint_sha256, precision="int8")
+    fp32 = load_or_export(embedder, index, precision="fp32")
+    return embedder, index, fp32, int8
+
+
+def test_int8_graph_is_quantized_and_close_to_float32(int8_setup):
+    embedder, index, fp32, int8 = int8_setup
+    ops = {n.op_type for n in onnx.load_from_string(int8.data).graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+    assert int8.precision == "int8" and int8.meta["precision"] == "int8"
+    files = sorted((DATA / "sketch").glob("*/*.png"))[::97][:16]
+    x = next(quantize_mod.preprocessed(embedder, files, "sketch"))
+    a, b = fp32(x), int8(x)
+    cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    assert cos.min() > 0.95, cos  # 8-bit arithmetic: near, not equal
+    assert not np.allclose(a, b, atol=1e-6)
+
+
+def test_parity_is_measured_on_validation_classes_and_stored(int8_setup):
+    embedder, index, fp32, int8 = int8_setup
+    parity = Parity.from_metadata(int8.meta)
+    _, valid = quantize_mod.calibration_sets(embedder.config, DATA)
+    assert parity.queries == len(valid.sketches)
+    again = quantize_mod.measure_parity(embedder, valid, "sketch", fp32, int8)
+    assert again.map_fp32 == pytest.approx(parity.map_fp32, abs=1e-6)
+    assert again.overlap == pytest.approx(parity.overlap, abs=1e-6)
+    assert parity.holds() == (parity.map_fp32 - parity.map_int8 <= quantize_mod.PARITY_MAP_DROP
+                              and parity.overlap >= quantize_mod.PARITY_OVERLAP)
+    assert Parity(0.5, 0.48, 0.95, 10).holds() is False  # mAP drops by more than 0.01
+    assert Parity(0.5, 0.495, 0.85, 10).holds() is False  # top-10 overlap below 0.9
+
+
+def test_cached_int8_graph_is_reused_and_failing_parity_is_refused(int8_setup, monkeypatch,
+                                                                   caplog):
+    embedder, index, fp32, int8 = int8_setup
+    path = encoder_path(index, embedder.checkpoint_sha256, "sketch", precision="int8")
+    assert path.is_file()
+
+    def no_quantizing(*args, **kwargs):
+        raise AssertionError("the cached int8 graph should have been read")
+
+    monkeypatch.setattr(quantize_mod, "quantize_graph", no_quantizing)
+    if Parity.from_metadata(int8.meta).holds():
+        again = load_or_export(embedder, index, precision="int8", data=DATA)
+        assert again.data == int8.data
+    # a graph whose parity fails is kept but never served
+    path.write_bytes(with_metadata(int8.data, parity_overlap="0.5"))
+    with pytest.raises(QuantizationError, match="parity"):
+        load_or_export(embedder, index, precision="int8", data=DATA)
+    with caplog.at_level(logging.WARNING):
+        chosen = load_or_export(embedder, index, precision="auto", data=DATA)
+    assert chosen.precision == "fp32" and "float32" in caplog.text
+
+
+def test_no_training_data_is_a_clear_error(real_checkpoint, tmp_path):
+    embedder = Embedder.from_checkpoint(real_checkpoint, device="cpu")
+    with pytest.raises(QuantizationError, match="not a folder"):
+        load_or_export(embedder, tmp_path / "index", precision="int8", data=tmp_path / "none")
+    assert load_or_export(embedder, tmp_path / "index", precision="auto",
+                          data=tmp_path / "none").precision == "fp32"
+    assert INPUT  # the graphs' input name, shared by export and quantize
