@@ -342,12 +342,50 @@ def test_requirements_list_is_pyprojects(image, tmp_path):
     assert out.split() == project["build-system"]["requires"] + project["project"]["dependencies"]
 
 
-def test_variants(compose, image):
+def pip_arguments(run: str, tmp_path, **build_args: str) -> subprocess.CompletedProcess:
+    """Run the Dockerfile's install step with these build arguments and a stand-in `pip` that
+    prints the arguments it was given, one a line."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "pip").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    (fake / "pip").chmod(0o755)
+    env = {"PATH": f"{fake}:/usr/bin:/bin", **build_args}
+    return subprocess.run(["sh", "-c", run], env=env, capture_output=True, text=True)
+
+
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+@pytest.mark.parametrize(("variant_", "torch_index", "extra"), [
+    ("cpu", None, ["--extra-index-url", CPU_INDEX]),  # the defaults
+    ("gpu", None, []),  # PyPI's CUDA torch
+    ("cpu", "", []),  # PyPI alone, where the CPU index is out of reach
+    ("cpu", "file:///wheels/simple", ["--extra-index-url", "file:///wheels/simple"]),
+    ("gpu", "file:///wheels/simple", ["--extra-index-url", "file:///wheels/simple"]),
+])
+def test_install_step_takes_torch_from_the_index_asked_for(image, tmp_path, variant_,
+                                                          torch_index, extra):
     (run,) = [r for i, r in image.steps if i == "RUN" and "-r requirements.txt" in r]
-    branches = dict(re.findall(r"(\w+)\)\s*([^;]*);;", run))
+    args = {"VARIANT": variant_,
+            "TORCH_INDEX": image.args["TORCH_INDEX"] if torch_index is None else torch_index}
+    result = pip_arguments(run, tmp_path, **args)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:-1] == [
+        "install", *extra, "-c", "constraints.txt", "-r", "requirements.txt"]
+
+
+def test_install_step_refuses_an_unknown_variant(image, tmp_path):
+    (run,) = [r for i, r in image.steps if i == "RUN" and "-r requirements.txt" in r]
+    result = pip_arguments(run, tmp_path, VARIANT="tpu", TORCH_INDEX="default")
+    assert result.returncode == 1 and "got 'tpu'" in result.stderr and not result.stdout
+
+
+def test_variants_and_base_image(compose, image, dockerfile):
     assert image.args.get("VARIANT") == "cpu"
-    assert {variant(s, image) for s in compose["services"].values()} <= set(branches)
-    assert "whl/cpu" in branches["cpu"] and "whl/cpu" not in branches["gpu"]
+    assert {variant(s, image) for s in compose["services"].values()} == {"cpu", "gpu"}
+    # the base image is a build argument whose default is the official Python image
+    assert image.args.get("BASE_IMAGE") == "python:3.11-slim"
+    assert re.search(r"^ARG BASE_IMAGE=.*\n(?:#.*\n)*FROM \$\{BASE_IMAGE\}$", dockerfile, re.M)
     # the image's only FAISS is the one pyproject.toml names (see tests/test_dependencies.py)
     assert not [s for s in image.steps if "faiss" in s[1].lower()]
 
