@@ -144,8 +144,17 @@ def mount_of(ms: list[Mount], path: PurePosixPath) -> Mount | None:
     return max(over, key=lambda m: len(m.target.parts), default=None)
 
 
-def programs(command: list[str]) -> list[list[str]]:
-    """argv of each program a service's command runs (`sh -c "a && b"` runs two)."""
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's variable substitution: ${NAME} and ${NAME:-DEFAULT} from `env`."""
+    def value(m: re.Match) -> str:
+        return env.get(m["name"]) or (m["default"] or "")
+    return re.sub(r"\$\{(?P<name>\w+)(?::-(?P<default>[^}]*))?\}", value, text)
+
+
+def programs(command: list[str], env: dict[str, str] | None = None) -> list[list[str]]:
+    """argv of each program a service's command runs (`sh -c "a && b"` runs two), with the
+    compose file's variables taken from `env` (default: none set)."""
+    command = [interpolate(a, env or {}) for a in command]
     if command[:2] == ["sh", "-c"]:
         return [shlex.split(step) for step in command[2].split("&&")]
     return [command]
@@ -289,6 +298,19 @@ def test_train_gpu_runs_a_gpu_preset_into_the_same_places(compose, tmp_path):
     gpu = [parse(a, tmp_path)[1] for a in programs(compose["services"]["train-gpu"]["command"])]
     assert gpu[0].preset != "cpu"
     assert (gpu[0].out, gpu[0].data, gpu[1]) == (cpu[0].out, cpu[0].data, cpu[1])
+
+
+@pytest.mark.parametrize("name", ["train", "train-gpu"])
+def test_train_args_reach_training_alone(name, compose, tmp_path):
+    """TRAIN_ARGS (a shorter run, as deploy/check.sh asks for) go to training.cdk after the
+    preset's flags, and leave index.build alone; unset, the preset's values hold."""
+    command = compose["services"][name]["command"]
+    (_, plain), (_, build) = [parse(a, tmp_path) for a in programs(command)]
+    env = {"TRAIN_ARGS": "--epochs 2 --seed 7"}
+    (_, short), (_, build2) = [parse(a, tmp_path) for a in programs(command, env)]
+    assert plain.epochs > 2 and plain.seed != 7
+    assert short == dataclasses.replace(plain, epochs=2, seed=7)
+    assert build2 == build
 
 
 def test_api_gpu_serves_like_api(compose):
