@@ -2,7 +2,14 @@
 #   cpu (default)  CPU-only torch wheels                        docker build -t sketchsvd:cpu .
 #   gpu            PyPI's Linux torch wheels, built with CUDA   docker build --build-arg VARIANT=gpu -t sketchsvd:gpu .
 # Both search with faiss-cpu (pyproject.toml). docker-compose.yml runs the services.
-FROM python:3.11-slim
+# For hosts that reach neither Docker Hub nor the torch index (docs/deployment.md):
+#   BASE_IMAGE   a Python 3.11 image with `python` and `pip` on PATH (deploy/local-base.sh makes
+#                one with debootstrap)
+#   TORCH_INDEX  an extra package index for torch (a URL, or file:///wheels/simple mounted for
+#                the build only with `podman build -v /srv/pypi:/wheels:ro`); pip takes equal
+#                versions from it rather than from PyPI. "": PyPI alone
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -21,12 +28,15 @@ COPY pyproject.toml constraints.txt ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb')); print('\n'.join(p['build-system']['requires'] + p['project']['dependencies']))" > requirements.txt
 
 ARG VARIANT=cpu
-# cpu: torch from its CPU-only index (a fraction of the CUDA wheels' size). gpu: PyPI's Linux
+# default: the CPU-only wheel index for cpu; PyPI alone for gpu
+ARG TORCH_INDEX=default
+# cpu: torch from the CPU-only index, a fraction of the CUDA wheels' size. gpu: PyPI's Linux
 # torch, whose CUDA libraries come as nvidia-* wheels; the host needs an NVIDIA driver recent
 # enough for that CUDA release and the NVIDIA Container Toolkit.
-RUN case "${VARIANT}" in \
-      cpu) set -- --extra-index-url https://download.pytorch.org/whl/cpu ;; \
-      gpu) set -- ;; \
+RUN case "${VARIANT}:${TORCH_INDEX}" in \
+      cpu:default) set -- --extra-index-url https://download.pytorch.org/whl/cpu ;; \
+      gpu:default) set -- ;; \
+      cpu:*|gpu:*) set -- ${TORCH_INDEX:+--extra-index-url "${TORCH_INDEX}"} ;; \
       *) echo "VARIANT must be cpu or gpu, got '${VARIANT}'" >&2; exit 1 ;; \
     esac \
     && pip install "$@" -c constraints.txt -r requirements.txt

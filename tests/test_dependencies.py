@@ -80,3 +80,21 @@ def test_ray_extra_floor_and_dev_pulls_it():
     ray = requirements(extras["ray"])["ray"]
     assert not ray.specifier.contains("2.53.0"), "CVE-2026-27482: ray < 2.54.0"
     assert requirements(extras["dev"])["ray"] == ray
+
+
+def test_constraints_pin_releases_the_requirements_admit():
+    """constraints.txt (which the image and tests/run.sh install with) pins each package to a
+    release that pyproject.toml admits: pip would otherwise fail to resolve the image's
+    install step."""
+    reqs = runtime_and_build()
+    pins = [Requirement(line.split("#")[0].strip())
+            for line in (REPO / "constraints.txt").read_text().splitlines()
+            if line.split("#")[0].strip()]
+    assert pins
+    for pin in pins:
+        (spec,) = pin.specifier
+        assert spec.operator == "==", f"{pin}: constraints pin exact releases"
+        name = canonicalize_name(pin.name)
+        assert name in reqs, f"{pin} constrains a package pyproject.toml does not require"
+        assert reqs[name].specifier.contains(spec.version, prereleases=True), (
+            f"{pin} is outside {reqs[name]}")

