@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="class folds of the non-test classes (0: none)")
     ap.add_argument("--sets", nargs="*", default=None,
                     help="held-out sets to run: valid, fold0, fold1, ... (default: all)")
-    ap.add_argument("--cache-dir", default="/work/cache/cdk-features")
+    ap.add_argument("--cache-dir", default=Config.cache_dir, help="backbone feature cache")
     ap.add_argument("--override", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="cpu preset fields to change (JSON values), e.g. epochs=3 modes=8")
     ap.add_argument("--threads", type=int, default=1)

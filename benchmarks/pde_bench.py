@@ -28,7 +28,7 @@ architecture, 1 thread, between its own measurements, for --rounds rounds, and p
 ratios measured side by side:
 
     python -m benchmarks.pde_bench --paper-step --steps 9 --rounds 3 \\
-        --paper-code /work/cache/neural-svd --paper-python /work/cache/paper-python
+        --paper-code ../neural-svd --paper-python ../paper-env/bin/python
 
 --smoke runs every part on a tiny architecture and batch (seconds), for the tests.
 """
