@@ -15,14 +15,14 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from service.middleware import timed
 from service.policy import RouteTable
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -109,19 +109,11 @@ class MetricsMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        start = time.perf_counter()
-        status = 500
 
-        async def send_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_status)
-        finally:
+        def count(status: int, seconds: float) -> None:
             route = self.table.rule(scope).name
             method = scope["method"] if scope["method"] in METHODS else "other"
             self.metrics.requests.labels(route, method, str(status)).inc()
-            self.metrics.latency.labels(route).observe(time.perf_counter() - start)
+            self.metrics.latency.labels(route).observe(seconds)
+
+        await timed(self.app, scope, receive, send, count)

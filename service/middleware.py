@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
@@ -121,19 +122,30 @@ class AccessLogMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        start = time.perf_counter()
-        status = 500
 
-        async def send_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_status)
-        finally:
+        def log(status: int, seconds: float) -> None:
             query = scope.get("query_string", b"").decode("latin-1")
             path = printable(scope["path"] + (f"?{query}" if query else ""))
-            ms = 1000 * (time.perf_counter() - start)
-            access_log.info("%s %s %d %.1fms", printable(scope["method"]), path, status, ms)
+            access_log.info("%s %s %d %.1fms", printable(scope["method"]), path, status,
+                            1000 * seconds)
+
+        await timed(self.app, scope, receive, send, log)
+
+
+async def timed(app: ASGIApp, scope: Scope, receive: Receive, send: Send,
+                done: Callable[[int, float], None]) -> None:
+    """Run `app` on one request, then call `done(status, seconds)`, also when it raises
+    (status 500 where no response was started)."""
+    start = time.perf_counter()
+    status = 500
+
+    async def send_status(message: Message) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        await send(message)
+
+    try:
+        await app(scope, receive, send_status)
+    finally:
+        done(status, time.perf_counter() - start)
