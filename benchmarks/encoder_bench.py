@@ -6,7 +6,8 @@ OpenVINO float32 and int8 (NNCF) when installed, same run.
 
 Prints milliseconds per image (best of `--repeats` timed calls after a warm-up) for each
 runtime, thread count and batch size, and each runtime's largest difference from PyTorch's
-embedding relative to the embedding's scale. This is how the service's CPU path was chosen
+embedding relative to the embedding's scale. `--parity-all` applies the service's parity rule
+to every runtime (OpenVINO bf16 too, on CPUs with it). This is how the service's CPU path was chosen
 (training/cdk/model/export.py): ONNX Runtime, in int8 where it holds parity
 (training/cdk/model/quantize.py) and is faster. Both int8 graphs are calibrated on the same
 images: training-class sketches of the checkpoint's data when it is at hand (`--data`
@@ -82,6 +83,9 @@ def openvino_runtimes(model: bytes, threads: int, batches: list[np.ndarray]) -> 
     cfg = {"INFERENCE_NUM_THREADS": threads, "PERFORMANCE_HINT": "LATENCY",
            "INFERENCE_PRECISION_HINT": "f32"}  # else bf16 on CPUs that have it
     out = {"openvino-f32": core.compile_model(fp32, "CPU", cfg)}
+    if "BF16" in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        out["openvino-bf16"] = core.compile_model(fp32, "CPU", {
+            **cfg, "INFERENCE_PRECISION_HINT": "bf16"})
     try:
         import nncf
     except ImportError:
@@ -113,6 +117,9 @@ def parse_args(argv):
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--calibration", type=int, default=128, help="calibration images")
+    p.add_argument("--parity-all", action="store_true", help="the parity of every runtime "
+                   "(with the data), its embeddings' median error relative to float32's, and "
+                   "the top-10 overlap of float32 embeddings with random noise of 1%% and 3%%")
     p.add_argument("--smoke", action="store_true", help="a tiny checkpoint, one thread, "
                    "small batches: checks that the benchmark runs")
     args = p.parse_args(argv)
@@ -146,8 +153,37 @@ def main(argv: list[str] | None = None) -> int:
             parity = measure_parity(embedder, valid, "sketch", OnnxEncoder(model, sha),
                                     OnnxEncoder(int8, sha, precision="int8"))
             print(f"int8 parity: {parity}: {'holds' if parity.holds() else 'fails'}")
+            if args.parity_all:
+                parity_of_all(embedder, valid, model, int8, batches)
         measure(embedder, model, int8, args, batches)
     return 0
+
+
+def parity_of_all(embedder: Embedder, valid, model: bytes, int8: bytes, batches) -> None:
+    """The service's parity rule applied to every runtime against ONNX Runtime float32, with
+    the median relative error of its sketch embeddings; then float32 with random noise of a
+    known relative size, to show how much error the top-10 overlap tolerates."""
+    fp32 = OnnxEncoder(model, embedder.checkpoint_sha256)
+    x = np.concatenate(list(preprocessed(embedder, valid.sketches[:64], "sketch")))
+    ref = fp32(x)
+    rng = np.random.default_rng(0)
+    noisy = {f"float32 + {r:.0%} noise": _noisy(fp32, r, rng) for r in (0.01, 0.03)}
+    for name, enc in {**runtimes(embedder, model, int8, 1, batches), **noisy}.items():
+        if name in ("torch", "onnxruntime"):
+            continue
+        err = np.linalg.norm(enc(x) - ref, axis=1) / np.linalg.norm(ref, axis=1)
+        parity = measure_parity(embedder, valid, "sketch", fp32, enc)
+        print(f"{name}: {parity}, median embedding error {np.median(err):.3f}: "
+              f"{'holds' if parity.holds() else 'fails'}")
+
+
+def _noisy(encode, r: float, rng):
+    def noisy(x):
+        e = encode(x)
+        n = rng.standard_normal(e.shape).astype(e.dtype)
+        return e + r * n * np.linalg.norm(e, axis=1, keepdims=True) / np.linalg.norm(
+            n, axis=1, keepdims=True)
+    return noisy
 
 
 def _as_int8(graph: bytes) -> bytes:
