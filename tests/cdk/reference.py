@@ -30,20 +30,20 @@ def rayleigh_quotients(f, g, K) -> torch.Tensor:
     return num / ((f**2).sum(0) / S * (g**2).sum(0) / P).sqrt()
 
 
-def pair_matrix(sketch_labels, photo_labels, pairing: str = "class", photo_of=None
-                ) -> torch.Tensor:
+def pair_matrix(sketch_labels, photo_labels, pairing: str = "class", photo_of=None,
+                share: float = 0.0) -> torch.Tensor:
     """(S, P) p(x_i, y_j) as the pair sampler's definition states it: every sketch equally
-    likely; class pairing: a photo of the sketch's class uniformly; instance pairing: the
-    photo it was drawn from."""
+    likely; class pairing: a photo of the sketch's class uniformly, or with probability
+    ``share`` the photo it was drawn from; instance pairing: the photo it was drawn from."""
     sl, pl = np.asarray(sketch_labels), np.asarray(photo_labels)
+    a = 1.0 if pairing == "instance" else share
     S, P = len(sl), len(pl)
     joint = np.zeros((S, P))
     for i in range(S):
         for j in range(P):
-            if pairing == "instance":
-                joint[i, j] = (photo_of[i] == j) / S
-            else:
-                joint[i, j] = (pl[j] == sl[i]) / (pl == sl[i]).sum() / S
+            own = float(photo_of[i] == j) if a > 0 else 0.0
+            same = (pl[j] == sl[i]) / (pl == sl[i]).sum()
+            joint[i, j] = (a * own + (1 - a) * same) / S
     return torch.as_tensor(joint)
 
 

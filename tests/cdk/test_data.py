@@ -320,3 +320,49 @@ def test_instance_pairing_on_sketchy_minis_real_pairs(sketchy_mini):
         assert set(photo_of[s_pos.numpy()].tolist()) <= set(p_pos.tolist())
     for s, p in sampler.epoch(0, 0, 512):
         assert torch.equal(p, torch.as_tensor(photo_of)[s])
+
+
+def test_mixed_pairs_on_sketchy_minis_real_pairs(sketchy_mini):
+    """The default kernel, half class pairs and half each sketch with its own photo, on
+    split 2's training classes: joint moment and photo marginal against the dense
+    (sketches x photos) p(x, y) written out from the labels and file names."""
+    ds = scan(sketchy_mini)
+    tr = ds.restrict(split_classes("sketchy2", list(ds.classes))["train"])
+    photo_of = tr.instance_pairs()
+    sampler = PairSampler(tr.sketch_labels, tr.photo_labels, "class", photo_of,
+                          instance_share=0.5)
+    sl, pl = torch.as_tensor(tr.sketch_labels), torch.as_tensor(tr.photo_labels)
+    same = (sl[:, None] == pl[None]).double()
+    joint = 0.5 * same / same.sum(1, keepdim=True)
+    joint[torch.arange(len(sl)), torch.as_tensor(photo_of)] += 0.5
+    joint /= len(sl)
+    g = torch.Generator().manual_seed(0)
+    f = torch.randn(len(sl), 4, generator=g, dtype=torch.float64)
+    gp = torch.randn(len(pl), 4, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(sampler.joint_moment(f, gp), torch.einsum("il,ij,jl->l", f,
+                                                                          joint, gp))
+    torch.testing.assert_close(sampler.photo_marginal(), joint.sum(0))
+
+
+def test_data_without_instance_pairs_trains_the_class_kernel(tmp_path, caplog):
+    """Sketches that do not name their photo: the default share of instance pairs falls
+    back to 0 with a warning (the saved config says 0); --pairing instance is an error."""
+    import dataclasses
+    import logging
+
+    from training.cdk.config import make_config
+    from training.cdk.run import instance_pairs
+
+    for c in ("a", "b"):
+        for m, name in (("photo", "p1.jpg"), ("sketch", "drawn-1.png")):
+            (tmp_path / m / c).mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (8, 8), "white").save(tmp_path / m / c / name)
+    tr = scan(tmp_path)
+    cfg = make_config(data=str(tmp_path))
+    assert cfg.instance_share == 0.5
+    with caplog.at_level(logging.WARNING):
+        got, photo_of = instance_pairs(cfg, tr)
+    assert photo_of is None and got.instance_share == 0.0
+    assert "class kernel alone" in caplog.text
+    with pytest.raises(DataError, match="no photo"):
+        instance_pairs(dataclasses.replace(cfg, pairing="instance"), tr)

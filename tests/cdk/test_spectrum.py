@@ -130,23 +130,30 @@ def _uneven_model(L: int = 3):
     return model, FeatureInputs(feats, model), feats
 
 
-@pytest.mark.parametrize("pairing", ["instance", "class"])
-def test_spectrum_pass_weighs_photos_by_the_kernels_photo_marginal(pairing):
+@pytest.mark.parametrize("pairing, share", [("instance", 0.0), ("class", 0.0),
+                                            ("class", 0.5)])
+def test_spectrum_pass_weighs_photos_by_the_kernels_photo_marginal(pairing, share):
     """The spectrum pass's quotients and norms equal the CDK's written out over every
     (sketch, photo) pair of the sampler's p(x, y), whose photo marginal is not uniform
     here: the photos' moments are weighted by how often the batches draw each photo
-    (counted over many epochs), not averaged over the photos."""
+    (counted over many epochs), not averaged over the photos. The batches draw each
+    (sketch, photo) pair as often as p(x, y) says, the mixture of class and instance
+    pairs included."""
     from tests.cdk.reference import pair_matrix, quotients_of_joint
     from training.cdk.spectrum import spectrum
 
-    sampler = PairSampler(UNEVEN_SKETCH_LABELS, UNEVEN_PHOTO_LABELS, pairing, UNEVEN_PHOTO_OF)
-    joint = pair_matrix(UNEVEN_SKETCH_LABELS, UNEVEN_PHOTO_LABELS, pairing, UNEVEN_PHOTO_OF)
-    counts = torch.zeros(len(UNEVEN_PHOTO_LABELS), dtype=torch.float64)
+    sampler = PairSampler(UNEVEN_SKETCH_LABELS, UNEVEN_PHOTO_LABELS, pairing, UNEVEN_PHOTO_OF,
+                          instance_share=share)
+    joint = pair_matrix(UNEVEN_SKETCH_LABELS, UNEVEN_PHOTO_LABELS, pairing, UNEVEN_PHOTO_OF,
+                        share)
+    pairs = torch.zeros(joint.shape, dtype=torch.float64)
     for epoch in range(2000):
-        for _, p in sampler.epoch(0, epoch, 4):
-            counts += torch.bincount(p, minlength=len(counts))
+        for s, p in sampler.epoch(0, epoch, 4):
+            pairs.index_put_((s, p), torch.ones(len(s), dtype=torch.float64), accumulate=True)
     torch.testing.assert_close(sampler.photo_marginal(), joint.sum(0))
+    counts = pairs.sum(0)
     assert (counts / counts.sum() - joint.sum(0)).abs().max() < 0.01  # 16,000 draws
+    assert (pairs / pairs.sum() - joint).abs().max() < 0.01
     assert (joint.sum(0) - 1 / len(counts)).abs().max() > 0.05  # not uniform
 
     model, inputs, feats = _uneven_model()
@@ -172,3 +179,49 @@ def test_photo_marginal_on_subsets_is_the_restricted_kernels():
     torch.testing.assert_close(got, torch.tensor([2 / 3, 1 / 6, 1 / 6], dtype=torch.float64))
     with pytest.raises(ValueError, match="no sketch"):
         inst.photo_marginal(torch.tensor([6]), torch.tensor([0]))
+
+
+def test_mixed_pairs_on_subsets_are_the_restricted_kernels():
+    """A share a of instance pairs on given rows: a sketch whose own photo is there puts a
+    on it and (1 - a) spread over its class's photos there; one whose photo is absent pairs
+    within its class only. joint_moment and photo_marginal against that written out."""
+    from tests.cdk.reference import quotients_of_joint
+
+    a = 0.3
+    mixed = PairSampler(UNEVEN_SKETCH_LABELS, UNEVEN_PHOTO_LABELS, "class", UNEVEN_PHOTO_OF,
+                        instance_share=a)
+    s_idx, p_idx = torch.tensor([0, 1, 4, 6, 7]), torch.tensor([3, 0, 2, 1, 5])
+    joint = torch.zeros(len(s_idx), len(p_idx), dtype=torch.float64)
+    for r, i in enumerate(s_idx.tolist()):
+        mates = [k for k, j in enumerate(p_idx.tolist())
+                 if UNEVEN_PHOTO_LABELS[j] == UNEVEN_SKETCH_LABELS[i]]
+        own = [k for k, j in enumerate(p_idx.tolist()) if j == UNEVEN_PHOTO_OF[i]]
+        for k in mates:
+            joint[r, k] += (1 - a if own else 1.0) / len(mates)
+        for k in own:
+            joint[r, k] += a
+    joint /= joint.sum()
+    torch.testing.assert_close(mixed.photo_marginal(s_idx, p_idx), joint.sum(0))
+    gen = torch.Generator().manual_seed(1)
+    f = torch.randn(len(s_idx), 3, generator=gen, dtype=torch.float64)
+    g = torch.randn(len(p_idx), 3, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(mixed.joint_moment(f, g, s_idx, p_idx),
+                               torch.einsum("il,ij,jl->l", f, joint, g))
+    want, _ = quotients_of_joint(f, g, joint)
+    got = cdk_singular_values(f, g, mixed.joint_moment(f, g, s_idx, p_idx),
+                              mixed.photo_marginal(s_idx, p_idx))
+    torch.testing.assert_close(got, want)
+
+
+def test_no_instance_share_draws_what_the_class_pairing_drew():
+    """instance_share 0 leaves the class pairing's batches as they were, draw for draw (the
+    extra draw comes after the class draw), and a share needs each sketch's photo."""
+    plain = PairSampler(UNEVEN_SKETCH_LABELS, UNEVEN_PHOTO_LABELS)
+    zero = PairSampler(UNEVEN_SKETCH_LABELS, UNEVEN_PHOTO_LABELS, "class", UNEVEN_PHOTO_OF,
+                       instance_share=0.0)
+    for (s1, p1), (s2, p2) in zip(plain.epoch(3, 1, 4), zero.epoch(3, 1, 4), strict=True):
+        assert torch.equal(s1, s2) and torch.equal(p1, p2)
+    with pytest.raises(ValueError, match="photo_of"):
+        PairSampler(UNEVEN_SKETCH_LABELS, UNEVEN_PHOTO_LABELS, "class", None, 0.5)
+    with pytest.raises(ValueError, match="instance_share"):
+        PairSampler(UNEVEN_SKETCH_LABELS, UNEVEN_PHOTO_LABELS, "class", UNEVEN_PHOTO_OF, 1.5)

@@ -82,28 +82,36 @@ class PairSampler:
 
     pairing "class": p(x, y) = E_c[p(x|c) p(y|c)]. Each epoch visits every sketch once in
     random order (so p(c) is the empirical sketch class distribution) and pairs it with a
-    photo drawn uniformly from its class, independently of the sketch.
-    pairing "instance": each sketch with the photo it was drawn from (``photo_of``).
+    photo drawn uniformly from its class, independently of the sketch. With
+    ``instance_share`` a > 0 the pair is instead, with probability a, the sketch and the
+    photo it was drawn from (``photo_of``): p = (1 - a) p_class + a p_instance, a kernel whose
+    rank is no longer capped at the number of classes less one.
+    pairing "instance": each sketch with the photo it was drawn from (a = 1).
     Batches depend only on (seed, epoch), so every DDP rank draws the same global batch and
-    a resumed run continues exactly.
+    a resumed run continues exactly; a = 0 draws exactly what the class pairing drew.
     """
 
-    def __init__(self, sketch_labels, photo_labels, pairing: str = "class", photo_of=None):
+    def __init__(self, sketch_labels, photo_labels, pairing: str = "class", photo_of=None,
+                 instance_share: float = 0.0):
         self.sketch_labels = torch.as_tensor(np.asarray(sketch_labels), dtype=torch.long)
         photo_labels = torch.as_tensor(np.asarray(photo_labels), dtype=torch.long)
         self.photo_labels = photo_labels
         if pairing not in ("class", "instance"):
             raise ValueError(f"pairing must be 'class' or 'instance', got {pairing!r}")
+        if not 0.0 <= float(instance_share) <= 1.0:
+            raise ValueError(f"instance_share must be in [0, 1], got {instance_share!r}")
         self.pairing = pairing
-        if pairing == "instance":
+        self.instance_share = 1.0 if pairing == "instance" else float(instance_share)
+        if self.instance_share > 0:
             if photo_of is None:
-                raise ValueError("instance pairing needs photo_of (Dataset.instance_pairs())")
+                raise ValueError("instance pairs need photo_of (Dataset.instance_pairs())")
             self.photo_of = torch.as_tensor(np.asarray(photo_of), dtype=torch.long)
             if len(self.photo_of) != len(self.sketch_labels) or (
                     len(self.photo_of) and not 0 <= int(self.photo_of.min())
                     <= int(self.photo_of.max()) < len(photo_labels)):
                 raise ValueError(f"photo_of must give each of the {len(self.sketch_labels)} "
                                  f"sketches a photo index in [0, {len(photo_labels)})")
+        if self.instance_share == 1.0:
             return
         n_cls = int(max(self.sketch_labels.max(), photo_labels.max())) + 1
         # Photos grouped by class: the photos of class c are order[start[c]:start[c]+count[c]].
@@ -115,37 +123,65 @@ class PairSampler:
         if empty:
             raise DataError(f"sketch classes {empty} have no photos to pair with")
 
+    def _rows(self, sketch_idx, photo_idx) -> tuple[torch.Tensor, torch.Tensor]:
+        s_idx = (torch.arange(len(self.sketch_labels)) if sketch_idx is None
+                 else torch.as_tensor(sketch_idx).long())
+        p_idx = (torch.arange(len(self.photo_labels)) if photo_idx is None
+                 else torch.as_tensor(photo_idx).long())
+        return s_idx, p_idx
+
+    def _partners(self, s_idx: torch.Tensor, p_idx: torch.Tensor) -> torch.Tensor:
+        """(S,) the position among the photo rows of each sketch's own photo, -1 where it
+        is not among them."""
+        row = torch.full((len(self.photo_labels),), -1, dtype=torch.long)
+        row[p_idx] = torch.arange(len(p_idx))
+        return row[self.photo_of[s_idx]]
+
+    def _conditional(self, s_idx: torch.Tensor, p_idx: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """p(y | x) on the given rows as (keep (S,) bool: the sketches with some partner
+        among the photos, class share (S,), class photo counts (C,), partner positions
+        (S,) or None): a kept sketch of class c puts class_share / n_c on each of its
+        class's photos among the rows (n_c of them) and 1 - class_share on its own photo.
+        A sketch whose own photo is not among the rows pairs within its class only."""
+        a = self.instance_share
+        partner = self._partners(s_idx, p_idx) if a > 0 else None
+        if a == 1.0:
+            keep = partner >= 0
+            return keep, torch.zeros(len(s_idx), dtype=torch.float64), None, partner
+        c = self.sketch_labels[s_idx]
+        n = torch.bincount(self.photo_labels[p_idx], minlength=len(self.count)).double()
+        share = torch.full((len(s_idx),), 1.0 - a, dtype=torch.float64)
+        if partner is not None:
+            share[partner < 0] = 1.0
+        keep = n[c] > 0
+        return keep, share, n, partner
+
     @torch.no_grad()
     def joint_moment(self, f: torch.Tensor, g: torch.Tensor, sketch_idx=None, photo_idx=None
                      ) -> torch.Tensor:
         """E_p(x,y)[f(X) g(Y)] (L,) under the distribution the batches are drawn from, given
         f: (S, L) at the sketches ``sketch_idx`` and g: (P, L) at the photos ``photo_idx``
-        (None: all of them, in order). Class pairing: the mean over the sketches of f times
-        the mean of g over the photos of the sketch's class; instance pairing: the mean of
-        f(sketch) g(its photo). With subsets, sketches whose class (or photo) is not among
-        the given photos are left out; none left is an error."""
-        s_idx = torch.arange(len(f)) if sketch_idx is None else torch.as_tensor(sketch_idx)
-        p_idx = torch.arange(len(g)) if photo_idx is None else torch.as_tensor(photo_idx)
+        (None: all of them, in order): the mean over the sketches of f times the mean of g
+        under the sketch's p(y | x): its class's photos' mean (class pairing), its own
+        photo (instance pairing), or their mixture. With subsets, sketches with no partner
+        among the given photos are left out; none left is an error."""
+        s_idx, p_idx = self._rows(sketch_idx, photo_idx)
         if len(s_idx) != len(f) or len(p_idx) != len(g):
             raise ValueError(f"{len(f)} sketch rows for {len(s_idx)} indices, "
                              f"{len(g)} photo rows for {len(p_idx)} indices")
         f, g = f.double(), g.double()
-        if self.pairing == "instance":
-            # position of each photo among the given rows, -1 where absent; sized by every
-            # photo of the set, not only those some sketch was drawn from
-            row = torch.full((len(self.photo_labels),), -1, dtype=torch.long)
-            row[p_idx.long()] = torch.arange(len(p_idx))
-            partner = row[self.photo_of[s_idx.long()]]
-            keep = partner >= 0
-            pairs = f[keep] * g[partner[keep]]
-        else:
-            g_bar, n = self.class_means(g, p_idx)
-            c = self.sketch_labels[s_idx.long()]
-            keep = n[c] > 0
-            pairs = f[keep] * g_bar[c[keep]]
-        if len(pairs) == 0:
+        keep, share, _, partner = self._conditional(s_idx, p_idx)
+        partnered = torch.zeros_like(f)
+        if partner is not None:
+            ok = partner >= 0
+            partnered[ok] = (1.0 - share[ok, None]) * g[partner[ok]]
+        if self.instance_share < 1.0:
+            g_bar, _ = self.class_means(g, p_idx)
+            partnered += share[:, None] * g_bar[self.sketch_labels[s_idx]]
+        if not bool(keep.any()):
             raise ValueError("no sketch among the given rows has its pair among the photos")
-        return pairs.mean(0)
+        return (f[keep] * partnered[keep]).mean(0)
 
     @torch.no_grad()
     def photo_marginal(self, sketch_idx=None, photo_idx=None) -> torch.Tensor:
@@ -154,21 +190,19 @@ class PairSampler:
         on the given rows (its sketches ``sketch_idx``, each as likely, paired among the
         given photos). Class pairing: a sketch of class c puts 1 / #photos of c on each of
         them; instance pairing: 1 on the photo it was drawn from, so a photo with three
-        sketches is drawn three times as often as one with one, and one with none never."""
-        s_idx = (torch.arange(len(self.sketch_labels)) if sketch_idx is None
-                 else torch.as_tensor(sketch_idx).long())
-        p_idx = (torch.arange(len(self.photo_labels)) if photo_idx is None
-                 else torch.as_tensor(photo_idx).long())
-        if self.pairing == "instance":
-            row = torch.full((len(self.photo_labels),), -1, dtype=torch.long)
-            row[p_idx] = torch.arange(len(p_idx))
-            partner = row[self.photo_of[s_idx]]
-            w = torch.bincount(partner[partner >= 0], minlength=len(p_idx)).double()
-        else:
+        sketches is drawn three times as often as one with one, and one with none never;
+        the mixture: both, by their shares."""
+        s_idx, p_idx = self._rows(sketch_idx, photo_idx)
+        keep, share, n, partner = self._conditional(s_idx, p_idx)
+        w = torch.zeros(len(p_idx), dtype=torch.float64)
+        if partner is not None:
+            ok = keep & (partner >= 0)
+            w.index_add_(0, partner[ok], 1.0 - share[ok])
+        if self.instance_share < 1.0:
             labels = self.photo_labels[p_idx]
-            n = torch.bincount(labels, minlength=len(self.count)).double()
-            sketches = torch.bincount(self.sketch_labels[s_idx], minlength=len(n)).double()
-            w = (sketches * (n > 0))[labels] / n[labels]
+            per_class = torch.zeros(len(n), dtype=torch.float64).index_add_(
+                0, self.sketch_labels[s_idx][keep], share[keep])
+            w += per_class[labels] / n[labels]
         if float(w.sum()) == 0:
             raise ValueError("no sketch among the given rows has its pair among the photos")
         return w / w.sum()
@@ -178,19 +212,17 @@ class PairSampler:
         distribution, for a held-out check of an estimate: [(sketch_pos_A, photo_pos_A),
         (sketch_pos_B, photo_pos_B)], positions within the given rows. Photos alternate
         between the halves in their order within each class; a sketch goes with its
-        class's alternation (class pairing) or with its photo (instance pairing), so each
-        half keeps its pairs."""
-        s_idx = (torch.arange(len(self.sketch_labels)) if sketch_idx is None
-                 else torch.as_tensor(sketch_idx).long())
-        p_idx = (torch.arange(len(self.photo_labels)) if photo_idx is None
-                 else torch.as_tensor(photo_idx).long())
+        class's alternation (class pairing) or with its photo (instance pairs, where that
+        photo is among the rows), so each half keeps its pairs."""
+        s_idx, p_idx = self._rows(sketch_idx, photo_idx)
         p_half = _alternate(self.photo_labels[p_idx])
-        if self.pairing == "instance":
-            half_of = torch.full((len(self.photo_labels),), -1, dtype=torch.long)
-            half_of[p_idx] = p_half
-            s_half = half_of[self.photo_of[s_idx]]  # -1: its photo is not among the rows
+        if self.instance_share == 1.0:
+            s_half = torch.full((len(s_idx),), -1, dtype=torch.long)  # -1: photo not there
         else:
             s_half = _alternate(self.sketch_labels[s_idx])
+        if self.instance_share > 0:
+            partner = self._partners(s_idx, p_idx)
+            s_half[partner >= 0] = p_half[partner[partner >= 0]]
         return [(torch.nonzero(s_half == h).flatten(), torch.nonzero(p_half == h).flatten())
                 for h in (0, 1)]
 
@@ -208,10 +240,13 @@ class PairSampler:
         B = min(batch_size, n)
         for step in range(self.steps_per_epoch(batch_size)):
             s = perm[step * B : (step + 1) * B]
-            if self.pairing == "instance":
+            if self.instance_share == 1.0:
                 p = self.photo_of[s]
             else:
                 p = self.photos_of_classes(self.sketch_labels[s], g)
+                if self.instance_share > 0:  # drawn after the class draw: a = 0 as before
+                    own = torch.rand(len(s), generator=g, dtype=torch.float64)
+                    p = torch.where(own < self.instance_share, self.photo_of[s], p)
             yield s, p
 
     def photos_of_classes(self, c: torch.Tensor, g: torch.Generator) -> torch.Tensor:

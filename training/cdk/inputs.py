@@ -145,14 +145,19 @@ class ImageInputs:
 
     def outputs(self, model: PairModel, seed: int, sampler):
         """The heads' outputs on a seeded subset of at most SUBSET sketches and SUBSET
-        photos (their own photos under instance pairing), to bound the cost, and the rows
+        photos (their own photos under instance pairing, and with them under a share of
+        instance pairs), to bound the cost, and the rows
         they are at ({modality: indices})."""
         model.eval()
         idx = {}
         for m in MODALITIES:
             g = torch.Generator().manual_seed(seed)
             idx[m] = torch.randperm(len(self.files[m]), generator=g)[:SUBSET]
-        if getattr(sampler, "pairing", "class") == "instance":
+        share = getattr(sampler, "instance_share", 0.0)
+        if share == 1.0:
             idx["photo"] = torch.unique(sampler.photo_of[idx["sketch"]])
+        elif share > 0:  # the class draws' photos and the sketches' own
+            idx["photo"] = torch.unique(torch.cat([idx["photo"],
+                                                   sampler.photo_of[idx["sketch"]]]))
         return ([head_outputs(model.heads[m], self.features(m, idx[m].tolist()))
                  for m in MODALITIES], idx)

@@ -4,6 +4,7 @@ and plots."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -11,9 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from training.files import atomic_write_text
+from training.folders import DataError
 
 from . import distributed
 from .config import Config, fit_warnings, smoothing, to_dict
@@ -51,6 +54,7 @@ def run(cfg: Config, say: Callable[[str], None] = log.info) -> dict:
     device = distributed.init_from_env()
     out = Path(cfg.out)
     split, tr, va, te = load_data(cfg)
+    cfg, photo_of = instance_pairs(cfg, tr)
     for line in fit_warnings(cfg, len(tr.sketches)):
         log.warning(line)
     if distributed.rank_and_world()[0] == 0:
@@ -68,7 +72,8 @@ def run(cfg: Config, say: Callable[[str], None] = log.info) -> dict:
     per_image = (time.perf_counter() - t0) / max(1, len(tr.sketches) + len(tr.photos) + (
         0 if later else sum(len(d.sketches) + len(d.photos) for d in (va, te))))
     t0 = time.perf_counter()
-    res = train(cfg, _train_data(cfg, tr, tr_s, tr_p), bb, out, device=device,
+    res = train(cfg, TrainData(tr_s, tr_p, tr.sketch_labels, tr.photo_labels, photo_of,
+                               list(tr.sketches), list(tr.photos)), bb, out, device=device,
                 estimate=lambda *a: say(estimate_text(*a, later * per_image)))
     train_seconds = time.perf_counter() - t0
     if distributed.rank_and_world()[0] != 0:
@@ -167,10 +172,22 @@ def _features(cfg: Config, bb: Backbone, files, desc: str, device,
                             device=device, desc=desc)
 
 
-def _train_data(cfg: Config, tr: Dataset, tr_s: torch.Tensor, tr_p: torch.Tensor) -> TrainData:
-    return TrainData(tr_s, tr_p, tr.sketch_labels, tr.photo_labels,
-                     tr.instance_pairs() if cfg.pairing == "instance" else None,
-                     list(tr.sketches), list(tr.photos))
+def instance_pairs(cfg: Config, tr: Dataset) -> tuple[Config, np.ndarray | None]:
+    """(cfg, the photo each training sketch was drawn from, or None where the kernel has no
+    instance pairs). Under class pairing, data whose sketches do not name their photo
+    train the class kernel alone (instance_share 0 in the config the run saves), with a
+    warning; instance pairing needs them (DataError)."""
+    if cfg.pairing == "class" and cfg.instance_share == 0:
+        return cfg, None
+    try:
+        return cfg, tr.instance_pairs()
+    except DataError as err:
+        if cfg.pairing == "instance":
+            raise
+        log.warning("instance_share %g needs each sketch to name its photo (<photo>-<n>): "
+                    "%s; training the class kernel alone (instance_share 0)",
+                    cfg.instance_share, err)
+        return dataclasses.replace(cfg, instance_share=0.0), None
 
 
 @torch.no_grad()

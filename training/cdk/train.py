@@ -232,7 +232,7 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
     raw = (fit_raw_projections(data.sketch_feats, data.photo_feats, cfg.raw_dims,
                                cfg.raw_weight) if cfg.raw_dims else None)
     sampler = sampler or PairSampler(data.sketch_labels, data.photo_labels, cfg.pairing,
-                                     data.photo_of)
+                                     data.photo_of, cfg.instance_share)
     opt, sched = make_optimiser(model, cfg.lr, cfg.backbone_lr, cfg.momentum, cfg.weight_decay,
                                 sampler.steps_per_epoch(cfg.batch_size) * cfg.epochs)
     masks = nesting_masks(cfg.modes, NESTING_OF[cfg.method],
