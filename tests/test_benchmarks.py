@@ -244,7 +244,7 @@ def test_kernel_bench_training_is_the_training_loop(tmp_path):
     sk = means[labels] + 0.5 * torch.randn(24, 6, generator=gen)
     ph = means[labels] + 0.5 * torch.randn(24, 6, generator=gen)
     cfg = make_config("cpu", modes=4, hidden=16, batch_size=8, epochs=3, raw_dims=0,
-                      sort_modes=False, out=str(tmp_path))
+                      sort_modes=False, instance_share=0.0, out=str(tmp_path))
     backbone = Backbone("synthetic", nn.Identity(), 6, (0.0,) * 3, (1.0,) * 3)
     want = train_mod.train(cfg, train_mod.TrainData(sk, ph, labels, labels.copy()), backbone,
                            tmp_path, device="cpu").heads

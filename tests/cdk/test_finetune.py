@@ -68,7 +68,7 @@ def _data(ds, bb, size=SIZE):
 def _cfg(tmp_path, **kw):
     base = dict(modes=4, hidden=16, batch_size=4, epochs=2, lr=0.05, backbone_lr=0.01,
                 image_size=SIZE, finetune=True, photo_flip_average=False, raw_dims=0,
-                out=str(tmp_path),
+                instance_share=0.0, out=str(tmp_path),
                 cache_dir=str(tmp_path / "cache"))
     return make_config("cpu", **{**base, **kw})
 

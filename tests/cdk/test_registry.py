@@ -99,7 +99,8 @@ def test_a_registered_backbone_fine_tunes_by_its_stages(tiny_cnn, tmp_path):
                      list(ds.sketches), list(ds.photos))
     cfg = make_config(backbone="tiny-cnn", modes=4, hidden=16, batch_size=4, epochs=2,
                       finetune=True, trainable_stages=1, backbone_lr=0.05,
-                      photo_flip_average=False, raw_dims=0, out=str(tmp_path / "o"),
+                      photo_flip_average=False, raw_dims=0, instance_share=0.0,
+                      out=str(tmp_path / "o"),
                       cache_dir=str(tmp_path / "cache"))
     res = train_mod.train(cfg, data, bb, cfg.out, device="cpu")
     before = bb.module.state_dict()

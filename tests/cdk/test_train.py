@@ -14,7 +14,9 @@ from .ddp_worker import ddp_worker, synthetic_backbone, synthetic_data
 
 def _cfg(tmp_path, **kw):
     # raw_dims=2: the synthetic features are 4-6 wide
-    base = dict(modes=4, hidden=16, batch_size=8, epochs=3, lr=0.05, raw_dims=2, out=str(tmp_path))
+    # instance_share=0: the synthetic data name no photo per sketch (the class kernel)
+    base = dict(modes=4, hidden=16, batch_size=8, epochs=3, lr=0.05, raw_dims=2,
+                instance_share=0.0, out=str(tmp_path))
     return make_config("cpu", **{**base, **kw})
 
 
