@@ -140,6 +140,10 @@ def test_from_dict_round_trips_and_refuses_configs_of_other_code():
     cfg = make_config("paper", method="lora", seed=2)
     assert from_dict(to_dict(cfg)) == cfg
     assert from_dict({**to_dict(cfg), "untrained": True}) == cfg  # extra keys: ignored
+    # a checkpoint from before the share of instance pairs was trained on the class kernel
+    default = make_config()
+    earlier = {k: v for k, v in to_dict(default).items() if k != "instance_share"}
+    assert from_dict(earlier).instance_share == 0.0 and default.instance_share == 0.5
     old = {k: v for k, v in to_dict(cfg).items() if k != "modes"}
     with pytest.raises(ValueError, match=r"ck.pt lacks the config fields \['modes'\].*retrain"):
         from_dict({**old, "L": 512}, "ck.pt")

@@ -311,11 +311,17 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+# Fields added after checkpoints were written without them: the value those were trained with.
+ADDED_LATER = {"instance_share": 0.0}  # the class kernel alone
+
+
 def from_dict(d: dict, source: str = "config") -> Config:
     """Rebuild the Config stored in a checkpoint (keys that are no field, such as
-    ``untrained``, are ignored). A field missing means the file was written by other
-    code: a ValueError naming ``source`` says to retrain."""
+    ``untrained``, are ignored). A field in ADDED_LATER that is missing takes the value the
+    code before it trained with; any other field missing means the file was written by
+    other code: a ValueError naming ``source`` says to retrain."""
     names = [f.name for f in dataclasses.fields(Config)]
+    d = {**ADDED_LATER, **d}
     missing = [n for n in names if n not in d]
     if missing:
         raise ValueError(f"{source} lacks the config fields {missing[:6]}: it was written "
