@@ -104,7 +104,10 @@ class PairSampler:
         self.instance_share = 1.0 if pairing == "instance" else float(instance_share)
         if self.instance_share > 0:
             if photo_of is None:
-                raise ValueError("instance pairs need photo_of (Dataset.instance_pairs())")
+                raise ValueError(f"pairing {pairing!r} with instance_share "
+                                 f"{self.instance_share:g} needs photo_of "
+                                 "(Dataset.instance_pairs()); instance_share 0 pairs within "
+                                 "classes alone")
             self.photo_of = torch.as_tensor(np.asarray(photo_of), dtype=torch.long)
             if len(self.photo_of) != len(self.sketch_labels) or (
                     len(self.photo_of) and not 0 <= int(self.photo_of.min())

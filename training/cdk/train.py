@@ -231,11 +231,6 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
     # the raw coordinates' projections: fit once on the (plain) training features
     raw = (fit_raw_projections(data.sketch_feats, data.photo_feats, cfg.raw_dims,
                                cfg.raw_weight) if cfg.raw_dims else None)
-    if sampler is None and data.photo_of is None and (cfg.pairing == "instance"
-                                                      or cfg.instance_share > 0):
-        raise ValueError(f"pairing {cfg.pairing!r} with instance_share {cfg.instance_share} "
-                         "needs TrainData.photo_of (Dataset.instance_pairs()); instance_share "
-                         "0 trains the class kernel alone")
     sampler = sampler or PairSampler(data.sketch_labels, data.photo_labels, cfg.pairing,
                                      data.photo_of, cfg.instance_share)
     opt, sched = make_optimiser(model, cfg.lr, cfg.backbone_lr, cfg.momentum, cfg.weight_decay,
