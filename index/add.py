@@ -7,7 +7,8 @@ file is an error. The checkpoint defaults to the one recorded in the sidecar and
 the same hash. New photos must live below the index's photo root (the sidecar's
 `photos_root`): table paths are relative to it, and the service serves nothing outside it.
 The new version replaces the current one atomically, under the index's writer lock.
-New photos are embedded as by `index.build` (`--feature-cache`, `--workers`, `--encoder`) and,
+New photos are embedded as by `index.build` (`--feature-cache`, `--workers`, `--encoder`,
+`--precision`) and,
 when the index was built with gallery smoothing, smoothed against the stored photos by the
 same rule (the stored ones keep their vectors until a rebuild). The index's kind adds them
 (the code kinds encode them with their trained quantizers).
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from index.embed import (
     ENCODERS,
+    PRECISIONS,
     cached_features,
     embed_photos,
     feature_cache_dir,
@@ -59,9 +61,10 @@ def append_photos(
     workers: int = 0,
     encoder: str = "auto",
     threads: int = 2,
+    precision: str = "auto",
 ) -> AppendReport:
     """Embed the photos of `photos` not yet in the index and add them to it (`feature_cache`,
-    `workers`, `encoder` and `threads` as in `index.build.build_index`).
+    `workers`, `encoder`, `threads` and `precision` as in `index.build.build_index`).
 
     Holds the index's writer lock from reading the current version to writing the new one,
     so two appends never both start from the same version (one would drop the other's
@@ -97,7 +100,8 @@ def append_photos(
         if new:
             kind, index = current.kind, current.index
             vectors = embed_photos(embedder, old_root, new,
-                                   photo_encoder(embedder, index_dir, threads, encoder),
+                                   photo_encoder(embedder, index_dir, threads, encoder,
+                                                 precision),
                                    batch_size, progress, cached, workers)[:, : current.dims]
             if current.sidecar.smoothing:  # as the build smoothed the stored photos
                 vectors = smooth_added(kind.reconstruct(index, 0, index.ntotal), vectors,
@@ -130,6 +134,7 @@ class AddConfig:
     feature_cache: str | None = None  # training's feature cache; None: the checkpoint's; "none"
     workers: int = 1  # DataLoader processes decoding photos; 0: the main one
     encoder: str = "auto"  # photo encoder: auto (ONNX Runtime on CPU) | onnx | torch
+    precision: str = "auto"  # ONNX graph: auto | fp32 | int8 (as index.build)
     progress: bool = True
 
 
@@ -137,7 +142,8 @@ def parse_args(argv: list[str] | None = None) -> AddConfig:
     """One dashed flag per AddConfig field (training.cli); --index and --photos are
     required."""
     parser = cli.build_parser(AddConfig, prog="python -m index.add",
-                              description=__doc__, choices={"encoder": list(ENCODERS)},
+                              description=__doc__,
+                              choices={"encoder": list(ENCODERS), "precision": list(PRECISIONS)},
                               required=("index", "photos"))
     return cli.parse(parser, AddConfig, argv)
 
@@ -154,7 +160,7 @@ def _main(argv: list[str]) -> int:
     embedder = Embedder.from_checkpoint(checkpoint, device=cfg.device)
     print_append(append_photos(embedder, cfg.index, cfg.photos, cfg.batch_size, cfg.progress,
                                feature_cache_dir(cfg.feature_cache, embedder), cfg.workers,
-                               cfg.encoder, cfg.threads))
+                               cfg.encoder, cfg.threads, cfg.precision))
     return 0
 
 

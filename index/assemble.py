@@ -50,6 +50,7 @@ class BuildReport:
     shards: int = 0  # embedding shards on disk (0: the embeddings were kept in memory)
     index_bytes: int = 0  # size of index.faiss: what a server maps
     embed_seconds: float = 0.0  # of `seconds`, embedding the photos
+    encoder: str = ""  # the photo encoder and its precision, e.g. "onnxruntime int8"
 
 
 @dataclass(frozen=True)

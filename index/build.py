@@ -3,7 +3,8 @@
     python -m index.build --checkpoint runs/cdk/checkpoint.pt \
         --photos ../shared/data/sketchy-mini --out runs/index
 
-Embeds every photo with the checkpoint's photo side (ONNX Runtime on the CPU, `--encoder`),
+Embeds every photo with the checkpoint's photo side (ONNX Runtime on the CPU, `--encoder`;
+in int8 where it holds the service's parity rule on the photo side and is faster, `--precision`),
 smooths the gallery as the checkpoint says (`--smooth-*`), keeps the first `--dims`
 coordinates (default all: the learned modes, then the raw coordinates) and writes an index of
 `--kind` (`index.kinds`; "auto": exact up to 100,000 photos, else the most exact kind that
@@ -28,7 +29,13 @@ from pathlib import Path
 from index.add import append_photos, print_append
 from index.assemble import BuildReport, assemble, check_dims
 from index.blocks import array_blocks
-from index.embed import ENCODERS, embed_slice, feature_cache_dir, photo_encoder
+from index.embed import (
+    ENCODERS,
+    PRECISIONS,
+    embed_slice,
+    feature_cache_dir,
+    photo_encoder,
+)
 from index.gallery import scan_gallery
 from index.kinds import KINDS, get, parse_bytes
 from index.neighbours import checkpoint_smoothing
@@ -59,6 +66,8 @@ class BuildConfig:
     feature_cache: str | None = None  # training's feature cache; None: the checkpoint's; "none"
     workers: int = 1  # DataLoader processes decoding photos; 0: the main one
     encoder: str = "auto"  # photo encoder: auto (ONNX Runtime on CPU) | onnx | torch
+    # ONNX graph: auto (int8 where it holds parity and is faster on this CPU) | fp32 | int8
+    precision: str = "auto"
     progress: bool = True
     # Gallery smoothing (training.cdk.model.smoothing) of the stored photo vectors; None: the
     # checkpoint's values (training's --smooth-*); --smooth-k 0 stores the plain embeddings.
@@ -93,13 +102,14 @@ def build_index(
     shard_size: int = DEFAULT_SHARD_SIZE,
     max_index_memory: str | None = None,
     nprobe: int = 0,
+    precision: str = "auto",
 ) -> BuildReport:
     """Embed the gallery `photos` in memory and write an index folder at `out` (the new
     version replaces the current one atomically; another writer of `out` is an
     IndexLockedError). `feature_cache`: training's feature cache folder to reuse photo
     features from (None: none); `workers`: DataLoader processes decoding the other photos
-    (0: this one); `smoothing`: of the stored vectors (None: the checkpoint's); `encoder`:
-    the photo encoder (`index.embed.photo_encoder`)."""
+    (0: this one); `smoothing`: of the stored vectors (None: the checkpoint's); `encoder`,
+    `precision`: the photo encoder (`index.embed.photo_encoder`)."""
     start = time.perf_counter()
     dims = check_dims(embedder, dims)
     if smoothing is None:
@@ -110,19 +120,20 @@ def build_index(
     check_replaceable(out)  # fail before minutes of embedding, not after
     root, gallery = scan_gallery(photos)
     with IndexWriter(out) as writer:  # held while embedding: a second writer fails at once
-        enc = photo_encoder(embedder, out, threads, encoder)
+        enc = photo_encoder(embedder, out, threads, encoder, precision)
         t0, blocks, cached = time.perf_counter(), [], 0
         for s in range(0, len(gallery), shard_size):  # a sharded build's slices: same bits
             vectors, hits = embed_slice(embedder, enc, root, gallery[s : s + shard_size],
                                         feature_cache, batch_size, workers, progress)
             blocks += array_blocks(vectors, offset=s)
             cached += hits
-        embed_s = time.perf_counter() - t0
+        embed_s = time.perf_counter() - t0 - getattr(enc, "make_seconds", 0.0)
         built = assemble(writer, embedder, checkpoint, root, [gallery], blocks, dims, kind,
                          parse_bytes(max_index_memory) if max_index_memory else None, nprobe,
                          smoothing, recall_k, progress=progress)
     return BuildReport(built.out, built.sidecar, built.recall, time.perf_counter() - start,
-                       cached, len(gallery), 0, built.index_bytes, embed_s)
+                       cached, len(gallery), 0, built.index_bytes, embed_s,
+                       f"{enc.name} {enc.precision}" if enc.precision else "")
 
 
 def parse_args(argv: list[str] | None = None) -> BuildConfig:
@@ -132,7 +143,8 @@ def parse_args(argv: list[str] | None = None) -> BuildConfig:
         BuildConfig,
         prog="python -m index.build",
         description=__doc__,
-        choices={"kind": ["auto", *KINDS], "engine": list(ENGINES), "encoder": list(ENCODERS)},
+        choices={"kind": ["auto", *KINDS], "engine": list(ENGINES), "encoder": list(ENCODERS),
+                 "precision": list(PRECISIONS)},
         required=("checkpoint", "photos", "out"),
     )
     return cli.parse(parser, BuildConfig, argv)
@@ -150,13 +162,15 @@ def _main(argv: list[str]) -> int:
     cache = feature_cache_dir(cfg.feature_cache, embedder)
     if cfg.append:
         print_append(append_photos(embedder, cfg.out, cfg.photos, cfg.batch_size, cfg.progress,
-                                   cache, cfg.workers, cfg.encoder, cfg.threads))
+                                   cache, cfg.workers, cfg.encoder, cfg.threads,
+                                   cfg.precision))
         return 0
     smoothing = checkpoint_smoothing(embedder.config, cfg.smooth_k, cfg.smooth_weight,
                                      cfg.smooth_rounds)
     common = dict(dims=cfg.dims, kind=cfg.kind, batch_size=cfg.batch_size,
                   recall_k=cfg.recall_k, progress=cfg.progress, feature_cache=cache,
                   workers=cfg.workers, smoothing=smoothing, encoder=cfg.encoder,
+                  precision=cfg.precision,
                   threads=cfg.threads, shard_size=cfg.shard_size,
                   max_index_memory=cfg.max_index_memory, nprobe=cfg.nprobe)
     if cfg.engine != "local" or cfg.max_index_memory or (
@@ -180,8 +194,10 @@ def print_report(report: BuildReport, recall_k: int, cache: str | None) -> None:
     if report.shards:
         print(f"  {report.shards} shards, {report.embedded} photos embedded by this run")
     if report.embedded:
+        by = (f", {report.embedded - report.from_cache} by the {report.encoder} photo encoder"
+              if report.encoder else "")
         print(f"  embedding: {report.embedded} photos in {report.embed_seconds:.1f}s "
-              f"({report.embedded / max(report.embed_seconds, 1e-9):.1f} photos/s)")
+              f"({report.embedded / max(report.embed_seconds, 1e-9):.1f} photos/s{by})")
     print(f"  backbone features of {report.from_cache} of {report.embedded} embedded photos "
           f"from the feature cache {cache}" if cache else "  feature cache: not used")
     print(f"  gallery smoothing: {s.smoothing['k']} neighbours, weight {s.smoothing['weight']}, "

@@ -11,11 +11,17 @@ slice with `embed_slice`, and the slices are the shards.
 Photos whose frozen-backbone features training cached (`training.cdk.features`, the
 checkpoint's `cache_dir`) skip the backbone and only go through the photo head
 (`cached_features`), which agrees with the encoder within float rounding (tests).
+
+The ONNX graph runs in float32 or int8 (`precision`): int8 under the service's parity rule,
+measured here on the photo side (`training.cdk.model.export.load_or_export`). The graph is
+made on first use, so a gallery whose photos all come from the feature cache never waits
+for an export or a quantization.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,16 +35,18 @@ from training.cdk.features import find_cached
 from training.cdk.model.embedder import Embedder
 from training.images import load_image
 
-__all__ = ["ENCODERS", "PhotoEncoder", "feature_cache_dir", "cached_features", "photo_encoder",
-           "export_photo_encoder", "embed_photos", "embed_slice"]
+__all__ = ["ENCODERS", "PRECISIONS", "PhotoEncoder", "feature_cache_dir", "cached_features",
+           "photo_encoder", "resolved_precision", "export_photo_encoder", "embed_photos",
+           "embed_slice"]
 
 log = logging.getLogger(__name__)
 
 ENCODERS = ("auto", "onnx", "torch")
+PRECISIONS = ("auto", "fp32", "int8")  # of the ONNX graph (export.PRECISIONS)
 HEAD_CHUNK = 4096  # cached feature rows through the head at a time
 # (N, 3, H, W) float32 preprocessed images -> (N, width) float32 embeddings
 PhotoEncoder = Callable[[np.ndarray], np.ndarray]
-_ONNX: dict[tuple, PhotoEncoder] = {}  # exported encoders of this process, by checkpoint
+_ONNX: dict[tuple, PhotoEncoder] = {}  # ONNX encoders made by this process, by checkpoint
 
 
 def feature_cache_dir(flag: str | None, embedder: Embedder) -> str | None:
@@ -73,6 +81,7 @@ class TorchPhotos:
     """The photo side in PyTorch (CUDA, or embedders that are not exported)."""
 
     name = "torch"
+    precision = "fp32"
 
     def __init__(self, embedder: Embedder):
         self.embedder = embedder
@@ -82,38 +91,82 @@ class TorchPhotos:
         return np.asarray(out.detach().float().cpu(), dtype=np.float32)
 
 
-def _uses_onnx(embedder: Embedder, choice: str) -> bool:
+class OnnxPhotos:
+    """The photo side as an ONNX Runtime graph, made on the first call (or `resolve()`):
+    exported once per checkpoint into `folder`/encoders and, for int8, quantized and its
+    parity measured there (`load_or_export`). `precision`: the graph's (fp32 or int8) once
+    made, None before; `make_seconds`: the time making it took (export, quantization and
+    parity, the first time per checkpoint and index folder), not embedding."""
+
+    name = "onnxruntime"
+
+    def __init__(self, embedder: Embedder, folder: str | Path, threads: int, precision: str):
+        self.embedder, self.folder, self.threads = embedder, folder, threads
+        self.requested = precision
+        self._graph = None
+        self.make_seconds = 0.0
+
+    def resolve(self):
+        if self._graph is None:
+            t0 = time.perf_counter()
+            e = self.embedder
+            key = (e.checkpoint_sha256, e.photo_flip_average, e.sketch_flip_average,
+                   self.threads, self.requested)
+            if key not in _ONNX:
+                from training.cdk.model.export import load_or_export  # onnx only when used
+
+                _ONNX[key] = load_or_export(e, self.folder, threads=self.threads,
+                                            modality="photo", precision=self.requested)
+            self._graph = _ONNX[key]
+            self.make_seconds = time.perf_counter() - t0
+        return self._graph
+
+    @property
+    def precision(self) -> str | None:
+        return None if self._graph is None else self._graph.precision
+
+    def __call__(self, images: np.ndarray) -> np.ndarray:
+        return self.resolve()(images)
+
+
+def _uses_onnx(embedder: Embedder, choice: str, precision: str = "auto") -> bool:
     if choice not in ENCODERS:
         raise ValueError(f"unknown photo encoder {choice!r}; choose one of {', '.join(ENCODERS)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of "
+                         f"{', '.join(PRECISIONS)}")
     exportable = hasattr(embedder, "modules") and torch.device(embedder.device).type == "cpu"
-    return choice == "onnx" or (choice == "auto" and exportable)
+    onnx = choice == "onnx" or (choice == "auto" and exportable)
+    if precision == "int8" and not onnx:
+        raise ValueError("--precision int8 needs the ONNX Runtime photo encoder (--encoder "
+                         "onnx, or auto on a CPU); the PyTorch encoder runs in float32")
+    return onnx
 
 
 def photo_encoder(embedder: Embedder, folder: str | Path, threads: int = 2,
-                  choice: str = "auto") -> PhotoEncoder:
-    """The photo encoder of `embedder`: "onnx" (exported once per checkpoint into
-    `folder`/encoders, `training.cdk.model.export.load_or_export`), "torch", or "auto":
-    ONNX Runtime on the CPU, PyTorch on CUDA and for embedders that cannot be exported."""
-    if not _uses_onnx(embedder, choice):
+                  choice: str = "auto", precision: str = "auto") -> PhotoEncoder:
+    """The photo encoder of `embedder`: "onnx" (`OnnxPhotos`, made on first use), "torch",
+    or "auto": ONNX Runtime on the CPU, PyTorch on CUDA and for embedders that cannot be
+    exported. `precision` (ONNX only): fp32, int8 (an error when its parity fails), auto
+    (int8 where it holds parity and is faster here, the service's rule)."""
+    if not _uses_onnx(embedder, choice, precision):
         return TorchPhotos(embedder)
-    key = (embedder.checkpoint_sha256, embedder.photo_flip_average, embedder.sketch_flip_average,
-           threads)
-    if key not in _ONNX:
-        _ONNX[key] = _load_or_export(embedder, folder, threads)
-    return _ONNX[key]
+    return OnnxPhotos(embedder, folder, threads, precision)
 
 
-def export_photo_encoder(embedder: Embedder, folder: str | Path, choice: str = "auto") -> None:
+def resolved_precision(encoder: PhotoEncoder) -> str:
+    """The precision `encoder` runs in (fp32 or int8), making an `OnnxPhotos` graph now."""
+    return encoder.resolve().precision if isinstance(encoder, OnnxPhotos) else "fp32"
+
+
+def export_photo_encoder(embedder: Embedder, folder: str | Path, choice: str = "auto",
+                         precision: str = "auto") -> str:
     """Make sure `folder`/encoders holds the photo encoder when `choice` runs it with ONNX
-    Runtime (before Ray actors load it from there instead of each exporting it)."""
-    if _uses_onnx(embedder, choice):
-        _load_or_export(embedder, folder, 1)
-
-
-def _load_or_export(embedder: Embedder, folder: str | Path, threads: int) -> PhotoEncoder:
-    from training.cdk.model.export import load_or_export  # onnx(runtime) only when used
-
-    return load_or_export(embedder, folder, threads=threads, modality="photo")
+    Runtime (before Ray actors load it from there instead of each exporting it); returns the
+    precision it runs in (fp32 or int8: what `auto` chose, for the actors to ask for)."""
+    if not _uses_onnx(embedder, choice, precision):
+        return "fp32"
+    return resolved_precision(OnnxPhotos(embedder, folder, 1, precision))
 
 
 class PhotoFiles(torch.utils.data.Dataset):
@@ -167,8 +220,8 @@ def embed_photos(
         bar.update(len(rows))
     bar.close()
     log.info("embedded %d photos from %s: %d from cached backbone features, %d through the "
-             "%s encoder", len(photos), root, len(positions), len(rest),
-             getattr(encoder, "name", "photo"))
+             "%s encoder (%s)", len(photos), root, len(positions), len(rest),
+             getattr(encoder, "name", "photo"), getattr(encoder, "precision", None) or "unused")
     return out
 
 

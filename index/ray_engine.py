@@ -50,7 +50,8 @@ class ShardWriter:
     """A Ray Data actor: holds one embedder, turns rows {"shard", "photos"} into shard files."""
 
     def __init__(self, load: Callable[[], Embedder], plan_fields: dict, batch_size: int,
-                 threads: int, cache_dir: str | None, encoder: str, out: str):
+                 threads: int, cache_dir: str | None, encoder: str, out: str,
+                 precision: str = "fp32"):
         set_threads(threads)
         self.embedder = load()
         self.fields = plan_fields
@@ -59,7 +60,7 @@ class ShardWriter:
                 f"the checkpoint loaded on this worker has sha256 "
                 f"{self.embedder.checkpoint_sha256[:16]}..., the driver's "
                 f"{plan_fields['checkpoint_sha256'][:16]}...: the nodes do not see the same file")
-        self.encoder = photo_encoder(self.embedder, out, threads, encoder)
+        self.encoder = photo_encoder(self.embedder, out, threads, encoder, precision)
         self.batch_size, self.cache_dir = batch_size, cache_dir
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -97,18 +98,19 @@ def embed_ray(plan: ShardPlan, shards: list[Shard], load: Callable[[], Embedder]
               embedder: Embedder, out: Path, batch_size: int = 32,
               cache_dir: str | Path | None = None, encoder: str = "auto",
               address: str | None = None, actors: int = 0, num_cpus: int = 2,
-              progress: bool = True) -> tuple[int, int]:
+              progress: bool = True, precision: str = "fp32") -> tuple[int, int]:
     """Embed `shards` with a pool of Ray actors; returns (photos embedded, how many of them
     came from the feature cache).
 
     `load` builds the embedder in each actor (`embedder` is the driver's, which exports the
-    photo encoder into `out` first). `actors` = 0: one per GPU when the cluster has GPUs,
+    photo encoder into `out` first; the actors run it in `precision`, fp32 or int8, as the
+    driver resolved it). `actors` = 0: one per GPU when the cluster has GPUs,
     else one per CPU. A local Ray (no `address`, none running) gets `num_cpus` CPUs and is
     shut down at the end.
     """
     if not shards:
         return 0, 0
-    export_photo_encoder(embedder, out, encoder)
+    export_photo_encoder(embedder, out, encoder, precision)
     ray, started = _start(address, num_cpus)
     try:
         gpus = int(ray.cluster_resources().get("GPU", 0))
@@ -127,7 +129,8 @@ def embed_ray(plan: ShardPlan, shards: list[Shard], load: Callable[[], Embedder]
             fn_constructor_kwargs={"load": load, "plan_fields": fields,
                                    "batch_size": batch_size, "threads": 1,
                                    "cache_dir": None if cache_dir is None else str(cache_dir),
-                                   "encoder": encoder, "out": str(out)},
+                                   "encoder": encoder, "out": str(out),
+                                   "precision": precision},
             batch_size=1,
             compute=ray.data.ActorPoolStrategy(size=size),
             **slot,

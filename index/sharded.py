@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from index.assemble import BuildReport, assemble, check_dims
-from index.embed import photo_encoder
+from index.embed import photo_encoder, resolved_precision
 from index.gallery import scan_gallery
 from index.kinds import parse_bytes
 from index.neighbours import checkpoint_smoothing, folder_store
@@ -55,6 +55,7 @@ def build_sharded(
     workers: int = 0,
     smoothing: Smoothing | None = None,
     encoder: str = "auto",
+    precision: str = "auto",
     threads: int = 2,
     shard_size: int = DEFAULT_SHARD_SIZE,
     max_index_memory: str | None = None,
@@ -81,8 +82,12 @@ def build_sharded(
     check_replaceable(out)
     root, gallery = scan_gallery(photos)
     with IndexWriter(out) as writer:
+        # The precision is part of the shards' keys, so it is settled before planning them
+        # (auto: here, once, for the Ray actors too).
+        enc = photo_encoder(embedder, out, threads, encoder, precision)
+        precision = resolved_precision(enc)  # before t0: making it is not embedding
         plan = plan_shards(out / SHARDS_DIR, root, gallery, embedder.width,
-                           embedder.checkpoint_sha256, shard_size)
+                           embedder.checkpoint_sha256, shard_size, precision)
         todo = missing_shards(plan)
         t0 = time.perf_counter()
         log.info("%d of %d shards to embed (%s engine)", len(todo), len(plan.shards), engine)
@@ -91,16 +96,16 @@ def build_sharded(
 
             embedded, cached = embed_ray(
                 plan, todo, load or CheckpointLoader(checkpoint, device), embedder, out,
-                batch_size, feature_cache, encoder, address, ray_actors, threads, progress)
+                batch_size, feature_cache, encoder, address, ray_actors, threads, progress,
+                precision)
         else:
-            embedded, cached = embed_local(embedder, photo_encoder(embedder, out, threads,
-                                                                   encoder),
-                                           plan, todo, batch_size, feature_cache, workers,
-                                           progress)
+            embedded, cached = embed_local(embedder, enc, plan, todo, batch_size,
+                                           feature_cache, workers, progress)
         embed_s = time.perf_counter() - t0
         built = assemble(writer, embedder, checkpoint, root, [s.photos for s in plan.shards],
                          plan_blocks(plan), dims, kind, budget, nprobe, smoothing, recall_k,
                          store=folder_store(plan.folder), work=plan.folder, progress=progress)
         remove_stale(plan)  # work files and shards of other keys
     return BuildReport(out, built.sidecar, built.recall, time.perf_counter() - start, cached,
-                       embedded, len(plan.shards), built.index_bytes, embed_s)
+                       embedded, len(plan.shards), built.index_bytes, embed_s,
+                       f"{enc.name} {precision}")

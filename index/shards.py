@@ -6,7 +6,8 @@
 
 The gallery (sorted by class and file) is cut into consecutive shards of `shard_size` photos.
 A shard's key hashes what its vectors depend on: the checkpoint's sha256, the embeddings'
-width, its place, and each of its photos' id, class, path, byte size and modification time.
+width, the photo encoder's precision when it is int8, its place, and each of its photos' id,
+class, path, byte size and modification time.
 Shards hold the whole embeddings (gallery smoothing finds neighbours with all coordinates);
 the index stores their first `dims`. A shard is
 finished when its .json exists and its .npy has the recorded size; both are written atomically
@@ -85,8 +86,10 @@ class ShardPlan:
 
 
 def _shard_key(checkpoint_sha256: str, width: int, number: int, start: int, root: Path,
-               photos: list[Photo]) -> str:
-    digest = hashlib.sha256(f"{SHARD_FORMAT}|{checkpoint_sha256}|{width}|{number}|{start}".encode())
+               photos: list[Photo], precision: str = "fp32") -> str:
+    tag = "" if precision == "fp32" else f"|{precision}"  # float32 keys as they always were
+    digest = hashlib.sha256(
+        f"{SHARD_FORMAT}|{checkpoint_sha256}{tag}|{width}|{number}|{start}".encode())
     for p in photos:
         st = os.stat(root / p.path)
         digest.update(f"|{p.id}|{p.cls}|{p.path}|{st.st_size}|{st.st_mtime_ns}".encode())
@@ -94,14 +97,17 @@ def _shard_key(checkpoint_sha256: str, width: int, number: int, start: int, root
 
 
 def plan_shards(folder: str | Path, root: Path, photos: list[Photo], width: int,
-                checkpoint_sha256: str, shard_size: int = DEFAULT_SHARD_SIZE) -> ShardPlan:
-    """Cut `photos` (the order of `index.gallery.scan_gallery`) into shards of `shard_size`."""
+                checkpoint_sha256: str, shard_size: int = DEFAULT_SHARD_SIZE,
+                precision: str = "fp32") -> ShardPlan:
+    """Cut `photos` (the order of `index.gallery.scan_gallery`) into shards of `shard_size`;
+    `precision`: the photo encoder's (fp32 or int8), so shards of the other one are not
+    reused."""
     if shard_size < 1:
         raise ValueError(f"shard_size={shard_size} must be >= 1")
     shards = []
     for number, start in enumerate(range(0, len(photos), shard_size)):
         chunk = photos[start : start + shard_size]
-        key = _shard_key(checkpoint_sha256, width, number, start, root, chunk)
+        key = _shard_key(checkpoint_sha256, width, number, start, root, chunk, precision)
         shards.append(Shard(number, start, key, tuple(chunk)))
     return ShardPlan(Path(folder), root, width, checkpoint_sha256, tuple(shards))
 
