@@ -63,7 +63,7 @@ from training.cdk.train import TrainData, TrainResult, train
 # class draw's identity by T = (1 - b) I + b W.
 KERNELS = {
     "class": {},
-    **{f"instance {a}": {"instance": a} for a in (0.1, 0.3, 0.5, 1.0)},
+    **{f"instance {a}": {"instance": a} for a in (0.1, 0.3, 0.5, 0.7, 1.0)},
     **{f"soft {a}, tau {t}": {"soft": (a, t)} for a in (0.3, 0.5) for t in (0.05, 0.1)},
     **{f"semantic {b}, tau {t}": {"semantic": (b, t)} for b in (0.1, 0.3) for t in (0.05, 0.1)},
     "visual 0.3, tau 0.1": {"visual": (0.3, 0.1)},
