@@ -56,9 +56,9 @@ def preprocessed(embedder, gallery):
 def test_int8_gallery_stores_the_int8_graphs_vectors_on_every_path(
         trained_on_data, small_gallery, tmp_path, lenient):
     embedder = Embedder.from_checkpoint(trained_on_data, device="cpu")
-    common = {"feature_cache": None, "smoothing": PLAIN, "progress": False, "threads": 1}
+    common = {"feature_cache": None, "smoothing": PLAIN, "progress": False}
     a = build_index(embedder, small_gallery, tmp_path / "a", trained_on_data, batch_size=4,
-                    precision="int8", **common)
+                    precision="int8", threads=1, **common)
     assert a.encoder == "onnxruntime int8" and a.embedded == 15 and a.from_cache == 0
     path = encoder_path(tmp_path / "a", embedder.checkpoint_sha256, "photo", precision="int8")
     int8 = OnnxEncoder(path, embedder.checkpoint_sha256, "photo", precision="int8")
@@ -70,11 +70,11 @@ def test_int8_gallery_stores_the_int8_graphs_vectors_on_every_path(
     cos = (stored * fp32).sum(1) / np.linalg.norm(stored, axis=1) / np.linalg.norm(fp32, axis=1)
     assert cos.min() > 0.9, cos  # ... of the same embeddings
 
-    # other batches, decoding workers and the sharded path: the same bits
+    # other batches, threads, decoding workers and the sharded path: the same bits
     b = build_index(embedder, small_gallery, tmp_path / "b", trained_on_data, batch_size=7,
-                    workers=2, precision="int8", **common)
+                    workers=2, precision="int8", threads=2, **common)
     s = build_sharded(embedder, small_gallery, tmp_path / "s", trained_on_data, batch_size=3,
-                      shard_size=4, precision="int8", **common)
+                      shard_size=4, precision="int8", threads=1, **common)
     assert b.encoder == s.encoder == "onnxruntime int8"
     for out in ("b", "s"):
         np.testing.assert_array_equal(load_index(tmp_path / out).index.reconstruct_n(0, 15),
@@ -86,7 +86,7 @@ def test_int8_gallery_stores_the_int8_graphs_vectors_on_every_path(
             for p in ("fp32", "int8")}
     assert not keys["fp32"] & keys["int8"]
     again = build_sharded(embedder, small_gallery, tmp_path / "s", trained_on_data,
-                          shard_size=4, precision="fp32", **common)
+                          shard_size=4, precision="fp32", threads=1, **common)
     assert again.embedded == 15 and again.encoder == "onnxruntime fp32"
     np.testing.assert_allclose(load_index(tmp_path / "s").index.reconstruct_n(0, 15), fp32,
                                rtol=1e-4, atol=1e-5)
