@@ -6,8 +6,13 @@ the photo folder the index was built from.
 
 The answer passes when the status is 200, it holds exactly k results sorted by score, and
 each result's id is a photo of the folder (`<class>/<id>.<ext>`) with that photo's class.
-Prints one line and exits 0 when it passes; prints the problems and exits 1 otherwise. The
-standard library only: it runs with the host's python3, outside the image.
+With `--sketches DIR` it also asks for the first sketch of each class of DIR
+(`<class>/<file>`, sorted; `--classes N`: the first N classes) and requires the share of
+their top-k photos in the sketch's own class, averaged, to reach `--min-precision`: a
+service that answers well formed but wrong photos (images decoded or normalised otherwise
+than in training, a table that does not match the index) fails it. Prints one line per
+check and exits 0 when all pass; prints the problems and exits 1 otherwise. The standard
+library only: it runs with the host's python3, outside the image.
 """
 
 from __future__ import annotations
@@ -85,20 +90,67 @@ def problems(status: int, answer: object, k: int, gallery: dict[str, str]) -> li
     return found
 
 
+def first_sketches(sketches: Path, classes: int = 0) -> list[Path]:
+    """The first sketch file of each of the first `classes` class folders (sorted; 0: all)."""
+    out = []
+    folders = sorted(d for d in sketches.iterdir() if d.is_dir())
+    for folder in folders[:classes] if classes else folders:
+        files = sorted(f for f in folder.iterdir() if f.suffix.lower() in PHOTO_SUFFIXES)
+        out += files[:1]
+    if not out:
+        raise ValueError(f"no sketches in {str(sketches)!r} (expected <class>/<file>.png)")
+    return out
+
+
+def class_precision(url: str, sketches: list[Path], k: int, gallery: dict[str, str]
+                    ) -> tuple[float, float, list[str]]:
+    """(mean share of each sketch's top-k photos in its folder's class, the same share for
+    photos drawn at random, problems with the answers)."""
+    shares, found = [], []
+    for sketch in sketches:
+        status, answer = retrieve(url, sketch, k)
+        wrong = problems(status, answer, k, gallery)
+        if wrong:
+            found += [f"{sketch.name}: {w}" for w in wrong]
+            continue
+        cls = sketch.parent.name
+        shares.append(sum(r["class"] == cls for r in answer["results"]) / k)
+    sizes = {c: list(gallery.values()).count(c) for c in {s.parent.name for s in sketches}}
+    chance = sum(sizes[s.parent.name] for s in sketches) / len(sketches) / len(gallery)
+    return (sum(shares) / len(shares) if shares else 0.0), chance, found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", required=True, help="the service, e.g. http://127.0.0.1:8000")
     parser.add_argument("--photos", type=Path, required=True, help="<class>/<id>.jpg folder")
     parser.add_argument("--sketch", type=Path, required=True, help="a PNG/JPEG sketch")
     parser.add_argument("--k", type=int, default=5)
+    parser.add_argument("--sketches", type=Path, help="<class>/<file> sketch folder: check "
+                        "that the answers find the sketches' classes")
+    parser.add_argument("--classes", type=int, default=0,
+                        help="sketches asked for, one a class (0: every class)")
+    parser.add_argument("--min-precision", type=float, default=0.5,
+                        help="the least mean share of the top-k photos in the sketch's class")
     args = parser.parse_args(argv)
+    gallery = gallery_of(args.photos)
     status, answer = retrieve(args.url, args.sketch, args.k)
-    found = problems(status, answer, args.k, gallery_of(args.photos))
+    found = problems(status, answer, args.k, gallery)
     if found:
         print(f"retrieve {args.sketch.name}: " + "; ".join(found))
         return 1
     top = ", ".join(f"{r['id']} ({r['class']}, {r['score']:.3f})" for r in answer["results"])
     print(f"retrieve {args.sketch.name} ({args.sketch.parent.name}): 200, k={args.k}: {top}")
+    if args.sketches is None:
+        return 0
+    sketches = first_sketches(args.sketches, args.classes)
+    share, chance, found = class_precision(args.url, sketches, args.k, gallery)
+    line = (f"precision@{args.k} over the first sketch of {len(sketches)} classes: {share:.3f} "
+            f"(at least {args.min_precision}; photos drawn at random: {chance:.3f})")
+    if found or share < args.min_precision:
+        print(line + ("; " + "; ".join(found) if found else "") + ": FAILED")
+        return 1
+    print(line)
     return 0
 
 

@@ -487,6 +487,37 @@ def test_probe_cli(probe, live_server, small_gallery, tmp_path, capsys):
         probe.main([*argv[:2], "--photos", str(empty), *argv[4:]])
 
 
+def test_probe_class_precision(probe, live_server, small_gallery, tmp_path, capsys):
+    """The quality check: the share of each sketch's top-k photos in the sketch's class,
+    counted from the server's answers, against a floor that fails when it is not met."""
+    sketches = tmp_path / "sketches"
+    classes = sorted(p.name for p in small_gallery.iterdir())
+    for i, cls in enumerate(classes):
+        (sketches / cls).mkdir(parents=True)
+        for j in (2, 1):  # the first file (sorted) is the one asked for
+            (sketches / cls / f"s{j}.png").write_bytes(sketch_png(seed=10 * i + j))
+    gallery = probe.gallery_of(small_gallery)
+    asked = probe.first_sketches(sketches)
+    assert [(p.parent.name, p.name) for p in asked] == [(c, "s1.png") for c in classes]
+    assert len(probe.first_sketches(sketches, 2)) == 2
+    share, chance, found = probe.class_precision(live_server, asked, 4, gallery)
+    assert found == [] and chance == pytest.approx(5 / 15)  # 5 photos of each of 3 classes
+    counted = []
+    for sketch in asked:
+        _, answer = probe.retrieve(live_server, sketch, 4)
+        counted += [r["class"] == sketch.parent.name for r in answer["results"]]
+    assert share == pytest.approx(sum(counted) / len(counted))
+    wrong = {i: "elsewhere" for i in gallery}  # a table whose classes are not the photos'
+    assert probe.class_precision(live_server, asked, 4, wrong)[2]  # named, not counted
+
+    argv = ["--url", live_server, "--photos", str(small_gallery), "--sketch", str(asked[0]),
+            "--k", "4", "--sketches", str(sketches)]
+    assert probe.main([*argv, "--min-precision", "0"]) == 0
+    assert f"precision@4 over the first sketch of 3 classes: {share:.3f}" in capsys.readouterr().out
+    assert probe.main([*argv, "--min-precision", "1.01"]) == 1  # a floor no answer meets
+    assert capsys.readouterr().out.rstrip().endswith(": FAILED")
+
+
 @pytest.mark.parametrize("script", sorted((REPO / "deploy").glob("*.sh")), ids=lambda p: p.name)
 def test_deploy_scripts(script):
     """Each script parses, and passes shellcheck where it is installed."""
