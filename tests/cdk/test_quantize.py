@@ -92,3 +92,57 @@ def test_no_training_data_is_a_clear_error(real_checkpoint, tmp_path):
     assert load_or_export(embedder, tmp_path / "index", precision="auto",
                           data=tmp_path / "none").precision == "fp32"
     assert INPUT  # the graphs' input name, shared by export and quantize
+
+
+def _conv_weights_quantized(data: bytes) -> list[bool]:
+    """For each convolution of a QDQ graph, in graph order: whether its weight comes through
+    a DequantizeLinear node (quantized) rather than straight from a float initializer."""
+    graph = onnx.load_from_string(data).graph
+    dequantized = {o for n in graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    return [n.input[1] in dequantized for n in graph.node if n.op_type == "Conv"]
+
+
+def test_leading_convolutions_stay_float32(int8_setup):
+    embedder, index, fp32, int8 = int8_setup
+    files = sorted((DATA / "sketch").glob("*/*.png"))[::211][:8]
+    batches = list(quantize_mod.preprocessed(embedder, files, "sketch"))
+    full = _conv_weights_quantized(quantize_mod.quantize_graph(fp32.data, iter(batches), INPUT))
+    front = _conv_weights_quantized(quantize_mod.quantize_graph(fp32.data, iter(batches), INPUT,
+                                                                float_front=5))
+    assert all(full) and len(full) == len(front) > 5
+    assert front == [False] * 5 + [True] * (len(front) - 5)
+    with pytest.raises(ValueError, match="convolutions"):
+        quantize_mod.quantize_graph(fp32.data, iter(batches), INPUT, float_front=len(full) + 1)
+
+
+def test_float_front_is_raised_until_parity_holds(real_checkpoint, tmp_path, monkeypatch):
+    """The sketch graph is tried with FLOAT_FRONT's leading convolutions in float32, in turn;
+    the first whose parity holds is kept and its K recorded (the last one when none holds)."""
+    embedder = Embedder.from_checkpoint(real_checkpoint, device="cpu")
+    fronts = []
+    real_quantize = quantize_mod.quantize_graph
+
+    def recording(fp32, calibration, input_name, float_front=0):
+        fronts.append(float_front)
+        return real_quantize(fp32, calibration, input_name, float_front)
+
+    def parity_at(holding):  # a parity that holds only for the graph with `holding` float convs
+        def measure(embedder, valid, modality, fp32, int8):
+            ok = int8.meta["float_front"] == str(holding)
+            return Parity(0.5, 0.5, 0.95 if ok else 0.5, 10)
+        return measure
+
+    monkeypatch.setattr(quantize_mod, "quantize_graph", recording)
+    monkeypatch.setattr(quantize_mod, "FLOAT_FRONT", {"sketch": (2, 6, 9), "photo": (0,)})
+    monkeypatch.setattr(quantize_mod, "measure_parity", parity_at(6))
+    enc = load_or_export(embedder, tmp_path / "a", precision="int8", data=DATA)
+    assert fronts == [2, 6] and enc.meta["float_front"] == "6"
+    assert _conv_weights_quantized(enc.data)[:7] == [False] * 6 + [True]
+    fronts.clear()
+    monkeypatch.setattr(quantize_mod, "measure_parity", parity_at(-1))  # never holds
+    with pytest.raises(QuantizationError, match="parity"):
+        load_or_export(embedder, tmp_path / "b", precision="int8", data=DATA)
+    assert fronts == [2, 6, 9]
+    path = encoder_path(tmp_path / "b", embedder.checkpoint_sha256, "sketch", precision="int8")
+    kept = OnnxEncoder(path, embedder.checkpoint_sha256, precision="int8")
+    assert kept.meta["float_front"] == "9" and float(kept.meta["parity_overlap"]) == 0.5

@@ -251,6 +251,7 @@ def _quantize(embedder, modality: str, fp32, data: str | Path | None = None) -> 
     import onnx
 
     from .quantize import (
+        FLOAT_FRONT,
         calibration_files,
         calibration_sets,
         measure_parity,
@@ -261,14 +262,21 @@ def _quantize(embedder, modality: str, fp32, data: str | Path | None = None) -> 
 
     train, valid = calibration_sets(embedder.config, data)
     files = calibration_files(train, modality)
-    log.info("quantizing the %s encoder to int8: %d calibration images of %d training "
-             "classes", modality, len(files), len(train.classes))
-    graph = quantize_graph(fp32.data, preprocessed(embedder, files, modality), INPUT)
-    proto = onnx.load_from_string(graph)
-    meta = {**{p.key: p.value for p in proto.metadata_props}, **fp32.meta,
-            "precision": "int8", "calibration_images": str(len(files))}
-    loaded = OnnxEncoder(with_metadata(proto, meta), fp32.meta["checkpoint_sha256"],
-                         modality, precision="int8", source=f"int8 {modality} encoder")
-    parity = measure_parity(embedder, valid, modality, fp32, loaded)
-    log.info("int8 %s encoder: %s", modality, parity)
+    for front in FLOAT_FRONT[modality]:  # until the parity holds; the last one is kept
+        log.info("quantizing the %s encoder to int8, its first %d convolutions in float32: "
+                 "%d calibration images of %d training classes", modality, front, len(files),
+                 len(train.classes))
+        graph = quantize_graph(fp32.data, preprocessed(embedder, files, modality), INPUT,
+                               front)
+        proto = onnx.load_from_string(graph)
+        meta = {**{p.key: p.value for p in proto.metadata_props}, **fp32.meta,
+                "precision": "int8", "calibration_images": str(len(files)),
+                "float_front": str(front)}
+        loaded = OnnxEncoder(with_metadata(proto, meta), fp32.meta["checkpoint_sha256"],
+                             modality, precision="int8", source=f"int8 {modality} encoder")
+        parity = measure_parity(embedder, valid, modality, fp32, loaded)
+        log.info("int8 %s encoder, first %d convolutions in float32: %s: %s", modality,
+                 front, parity, "holds" if parity.holds() else "fails")
+        if parity.holds():
+            break
     return with_metadata(proto, {**meta, **parity.metadata()})
