@@ -11,8 +11,10 @@ to every runtime (OpenVINO bf16 too, on CPUs with it). This is how the service's
 (training/cdk/model/export.py): ONNX Runtime, in int8 where it holds parity
 (training/cdk/model/quantize.py) and is faster. Both int8 graphs are calibrated on the same
 images: training-class sketches of the checkpoint's data when it is at hand (`--data`
-overrides its folder), else random images (speed only). OpenVINO is measured when
-`openvino` (and `nncf` for int8) are installed; they are not dependencies.
+overrides its folder), else random images (speed only). The ONNX Runtime int8 graph keeps
+its first `--float-front` convolutions in float32 (default: the service's first try).
+OpenVINO is measured when `openvino` (and `nncf` for int8) are installed; they are not
+dependencies.
 
 Without --checkpoint it uses an untrained checkpoint shaped like the `cpu` preset
 (EfficientNet-Lite1 at 240 px, head 1024 -> 256 modes + 256 raw): timing does not depend on
@@ -38,6 +40,7 @@ from training.cdk.model.checkpoint import init_checkpoint  # noqa: E402
 from training.cdk.model.embedder import Embedder  # noqa: E402
 from training.cdk.model.export import INPUT, OnnxEncoder, export_encoder  # noqa: E402
 from training.cdk.model.quantize import (  # noqa: E402
+    FLOAT_FRONT,
     QuantizationError,
     calibration_files,
     calibration_sets,
@@ -117,6 +120,9 @@ def parse_args(argv):
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--calibration", type=int, default=128, help="calibration images")
+    p.add_argument("--float-front", type=int, default=FLOAT_FRONT["sketch"][0],
+                   help="leading convolutions of the ONNX Runtime int8 graph kept in float32 "
+                   "(default: the service's first try)")
     p.add_argument("--parity-all", action="store_true", help="the parity of every runtime "
                    "(with the data), its embeddings' median error relative to float32's, and "
                    "the top-10 overlap of float32 embeddings with random noise of 1%% and 3%%")
@@ -144,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         model = export_encoder(embedder)
         t1 = time.perf_counter()
         batches, valid = calibration(embedder, args.data, args.calibration)
-        int8 = _as_int8(quantize_graph(model, iter(batches), INPUT))
+        int8 = _as_int8(quantize_graph(model, iter(batches), INPUT, args.float_front))
         print(f"{embedder.backbone} at {embedder.image_size} px, width {embedder.width}; "
               f"export {t1 - t0:.1f} s, {len(model) / 1e6:.1f} MB; int8 "
               f"{time.perf_counter() - t1:.1f} s, {len(int8) / 1e6:.1f} MB")
