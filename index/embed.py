@@ -36,8 +36,7 @@ from training.cdk.model.embedder import Embedder
 from training.images import load_image
 
 __all__ = ["ENCODERS", "PRECISIONS", "PhotoEncoder", "feature_cache_dir", "cached_features",
-           "photo_encoder", "resolved_precision", "export_photo_encoder", "embed_photos",
-           "embed_slice"]
+           "photo_encoder", "resolved_precision", "embed_photos", "embed_slice"]
 
 log = logging.getLogger(__name__)
 
@@ -157,16 +156,6 @@ def photo_encoder(embedder: Embedder, folder: str | Path, threads: int = 2,
 def resolved_precision(encoder: PhotoEncoder) -> str:
     """The precision `encoder` runs in (fp32 or int8), making an `OnnxPhotos` graph now."""
     return encoder.resolve().precision if isinstance(encoder, OnnxPhotos) else "fp32"
-
-
-def export_photo_encoder(embedder: Embedder, folder: str | Path, choice: str = "auto",
-                         precision: str = "auto") -> str:
-    """Make sure `folder`/encoders holds the photo encoder when `choice` runs it with ONNX
-    Runtime (before Ray actors load it from there instead of each exporting it); returns the
-    precision it runs in (fp32 or int8: what `auto` chose, for the actors to ask for)."""
-    if not _uses_onnx(embedder, choice, precision):
-        return "fp32"
-    return resolved_precision(OnnxPhotos(embedder, folder, 1, precision))
 
 
 class PhotoFiles(torch.utils.data.Dataset):

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from index.embed import embed_slice, export_photo_encoder, photo_encoder
+from index.embed import embed_slice, photo_encoder
 from index.gallery import Photo
 from index.shards import Shard, ShardPlan, write_shard
 from index.threads import set_threads
@@ -95,22 +95,21 @@ def _start(address: str | None, num_cpus: int):
 
 
 def embed_ray(plan: ShardPlan, shards: list[Shard], load: Callable[[], Embedder],
-              embedder: Embedder, out: Path, batch_size: int = 32,
+              out: Path, batch_size: int = 32,
               cache_dir: str | Path | None = None, encoder: str = "auto",
               address: str | None = None, actors: int = 0, num_cpus: int = 2,
               progress: bool = True, precision: str = "fp32") -> tuple[int, int]:
     """Embed `shards` with a pool of Ray actors; returns (photos embedded, how many of them
     came from the feature cache).
 
-    `load` builds the embedder in each actor (`embedder` is the driver's, which exports the
-    photo encoder into `out` first; the actors run it in `precision`, fp32 or int8, as the
-    driver resolved it). `actors` = 0: one per GPU when the cluster has GPUs,
+    `load` builds the embedder in each actor; the actors load the photo encoder the driver
+    made in `out` (`index.sharded.build_sharded`, which settles `precision`: fp32 or int8)
+    instead of each exporting it. `actors` = 0: one per GPU when the cluster has GPUs,
     else one per CPU. A local Ray (no `address`, none running) gets `num_cpus` CPUs and is
     shut down at the end.
     """
     if not shards:
         return 0, 0
-    export_photo_encoder(embedder, out, encoder, precision)
     ray, started = _start(address, num_cpus)
     try:
         gpus = int(ray.cluster_resources().get("GPU", 0))

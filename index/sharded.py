@@ -95,7 +95,7 @@ def build_sharded(
             from index.ray_engine import CheckpointLoader, embed_ray
 
             embedded, cached = embed_ray(
-                plan, todo, load or CheckpointLoader(checkpoint, device), embedder, out,
+                plan, todo, load or CheckpointLoader(checkpoint, device), out,
                 batch_size, feature_cache, encoder, address, ray_actors, threads, progress,
                 precision)
         else:
