@@ -41,10 +41,10 @@ from training.cdk.model.embedder import Embedder  # noqa: E402
 from training.cdk.model.export import INPUT, OnnxEncoder, export_encoder  # noqa: E402
 from training.cdk.model.quantize import (  # noqa: E402
     FLOAT_FRONT,
+    ParityCheck,
     QuantizationError,
     calibration_files,
     calibration_sets,
-    measure_parity,
     preprocessed,
     quantize_graph,
 )
@@ -156,20 +156,22 @@ def main(argv: list[str] | None = None) -> int:
               f"{time.perf_counter() - t1:.1f} s, {len(int8) / 1e6:.1f} MB")
         if valid is not None:  # the rule the service applies (training.cdk.model.quantize)
             sha = embedder.checkpoint_sha256
-            parity = measure_parity(embedder, valid, "sketch", OnnxEncoder(model, sha),
-                                    OnnxEncoder(int8, sha, precision="int8"))
+            fp32 = OnnxEncoder(model, sha)
+            check = ParityCheck(embedder, valid, "sketch", fp32)  # float32's side, once
+            parity = check(OnnxEncoder(int8, sha, precision="int8"))
             print(f"int8 parity: {parity}: {'holds' if parity.holds() else 'fails'}")
             if args.parity_all:
-                parity_of_all(embedder, valid, model, int8, batches)
+                parity_of_all(embedder, valid, fp32, check, model, int8, batches)
         measure(embedder, model, int8, args, batches)
     return 0
 
 
-def parity_of_all(embedder: Embedder, valid, model: bytes, int8: bytes, batches) -> None:
-    """The service's parity rule applied to every runtime against ONNX Runtime float32, with
-    the median relative error of its sketch embeddings; then float32 with random noise of a
-    known relative size, to show how much error the top-10 overlap tolerates."""
-    fp32 = OnnxEncoder(model, embedder.checkpoint_sha256)
+def parity_of_all(embedder: Embedder, valid, fp32: OnnxEncoder, check: ParityCheck,
+                  model: bytes, int8: bytes, batches) -> None:
+    """The service's parity rule (`check`, against ONNX Runtime float32 `fp32`) applied to
+    every runtime, with the median relative error of its sketch embeddings; then float32
+    with random noise of a known relative size, to show how much error the top-10 overlap
+    tolerates."""
     x = np.concatenate(list(preprocessed(embedder, valid.sketches[:64], "sketch")))
     ref = fp32(x)
     rng = np.random.default_rng(0)
@@ -178,7 +180,7 @@ def parity_of_all(embedder: Embedder, valid, model: bytes, int8: bytes, batches)
         if name in ("torch", "onnxruntime"):
             continue
         err = np.linalg.norm(enc(x) - ref, axis=1) / np.linalg.norm(ref, axis=1)
-        parity = measure_parity(embedder, valid, "sketch", fp32, enc)
+        parity = check(enc)
         print(f"{name}: {parity}, median embedding error {np.median(err):.3f}: "
               f"{'holds' if parity.holds() else 'fails'}")
 

@@ -57,6 +57,10 @@ def test_parity_is_measured_on_validation_classes_and_stored(int8_setup):
     again = quantize_mod.measure_parity(embedder, valid, "sketch", fp32, int8)
     assert again.map_fp32 == pytest.approx(parity.map_fp32, abs=1e-6)
     assert again.overlap == pytest.approx(parity.overlap, abs=1e-6)
+    check = quantize_mod.ParityCheck(embedder, valid, "sketch", fp32)
+    assert check(int8) == check(int8) == again  # reused: what a fresh measurement gives
+    same = check(fp32)
+    assert same.overlap == 1.0 and same.map_int8 == same.map_fp32 == again.map_fp32
     assert parity.holds() == (parity.map_fp32 - parity.map_int8 <= quantize_mod.PARITY_MAP_DROP
                               and parity.overlap >= quantize_mod.PARITY_OVERLAP)
     assert Parity(0.5, 0.48, 0.95, 10).holds() is False  # mAP drops by more than 0.01
@@ -126,23 +130,30 @@ def test_float_front_is_raised_until_parity_holds(real_checkpoint, tmp_path, mon
         fronts.append(float_front)
         return real_quantize(fp32, calibration, input_name, float_front)
 
+    made = []  # the float32 sides of the parity checks made
+
     def parity_at(holding):  # a parity that holds only for the graph with `holding` float convs
-        def measure(embedder, valid, modality, fp32, int8):
-            ok = int8.meta["float_front"] == str(holding)
-            return Parity(0.5, 0.5, 0.95 if ok else 0.5, 10)
-        return measure
+        class Check:
+            def __init__(self, embedder, valid, modality, fp32):
+                made.append(modality)
+
+            def __call__(self, int8):
+                ok = int8.meta["float_front"] == str(holding)
+                return Parity(0.5, 0.5, 0.95 if ok else 0.5, 10)
+        return Check
 
     monkeypatch.setattr(quantize_mod, "quantize_graph", recording)
     monkeypatch.setattr(quantize_mod, "FLOAT_FRONT", {"sketch": (2, 6, 9), "photo": (0,)})
-    monkeypatch.setattr(quantize_mod, "measure_parity", parity_at(6))
+    monkeypatch.setattr(quantize_mod, "ParityCheck", parity_at(6))
     enc = load_or_export(embedder, tmp_path / "a", precision="int8", data=DATA)
     assert fronts == [2, 6] and enc.meta["float_front"] == "6"
     assert _conv_weights_quantized(enc.data)[:7] == [False] * 6 + [True]
     fronts.clear()
-    monkeypatch.setattr(quantize_mod, "measure_parity", parity_at(-1))  # never holds
+    made.clear()
+    monkeypatch.setattr(quantize_mod, "ParityCheck", parity_at(-1))  # never holds
     with pytest.raises(QuantizationError, match="parity"):
         load_or_export(embedder, tmp_path / "b", precision="int8", data=DATA)
-    assert fronts == [2, 6, 9]
+    assert fronts == [2, 6, 9] and made == ["sketch"]  # float32's side made once for all K
     path = encoder_path(tmp_path / "b", embedder.checkpoint_sha256, "sketch", precision="int8")
     kept = OnnxEncoder(path, embedder.checkpoint_sha256, precision="int8")
     assert kept.meta["float_front"] == "9" and float(kept.meta["parity_overlap"]) == 0.5

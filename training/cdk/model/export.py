@@ -252,9 +252,9 @@ def _quantize(embedder, modality: str, fp32, data: str | Path | None = None) -> 
 
     from .quantize import (
         FLOAT_FRONT,
+        ParityCheck,
         calibration_files,
         calibration_sets,
-        measure_parity,
         preprocessed,
         quantize_graph,
         with_metadata,
@@ -262,6 +262,7 @@ def _quantize(embedder, modality: str, fp32, data: str | Path | None = None) -> 
 
     train, valid = calibration_sets(embedder.config, data)
     files = calibration_files(train, modality)
+    parity_of = ParityCheck(embedder, valid, modality, fp32)  # float32's side, once
     for front in FLOAT_FRONT[modality]:  # until the parity holds; the last one is kept
         log.info("quantizing the %s encoder to int8, its first %d convolutions in float32: "
                  "%d calibration images of %d training classes", modality, front, len(files),
@@ -274,7 +275,7 @@ def _quantize(embedder, modality: str, fp32, data: str | Path | None = None) -> 
                 "float_front": str(front)}
         loaded = OnnxEncoder(with_metadata(proto, meta), fp32.meta["checkpoint_sha256"],
                              modality, precision="int8", source=f"int8 {modality} encoder")
-        parity = measure_parity(embedder, valid, modality, fp32, loaded)
+        parity = parity_of(loaded)
         log.info("int8 %s encoder, first %d convolutions in float32: %s: %s", modality,
                  front, parity, "holds" if parity.holds() else "fails")
         if parity.holds():

@@ -43,9 +43,9 @@ from ..data import Dataset, scan
 from ..metrics import retrieval_metrics
 from ..splits import split_classes
 
-__all__ = ["FLOAT_FRONT", "PARITY_MAP_DROP", "PARITY_OVERLAP", "Parity", "QuantizationError",
-           "calibration_files", "calibration_sets", "measure_parity", "preprocessed",
-           "quantize_graph", "with_metadata"]
+__all__ = ["FLOAT_FRONT", "PARITY_MAP_DROP", "PARITY_OVERLAP", "Parity", "ParityCheck",
+           "QuantizationError", "calibration_files", "calibration_sets", "measure_parity",
+           "preprocessed", "quantize_graph", "with_metadata"]
 
 log = logging.getLogger(__name__)
 
@@ -191,31 +191,47 @@ def calibration_files(train: Dataset, modality: str, n: int = CALIBRATION_IMAGES
     return [files[i] for i in sorted(pick)]
 
 
+class ParityCheck:
+    """The float32 side of a parity measurement of `modality` on the validation classes, made
+    once: the other modality embedded by `embedder` (PyTorch, float32), this modality by the
+    float32 graph `fp32`, and float32's mAP and top-10 lists. Calling it with an int8 graph
+    gives that graph's Parity (so several int8 candidates cost one float32 pass)."""
+
+    def __init__(self, embedder, valid: Dataset, modality: str, fp32: Encode):
+        other = "photo" if modality == "sketch" else "sketch"
+        self.embedder, self.modality = embedder, modality
+        self.files, own_labels = _files(valid, modality)
+        other_files, other_labels = _files(valid, other)
+        self.theirs = np.concatenate([embedder.embed(images, other)
+                                      for images in images_of(other_files)])
+        # queries are sketches, the gallery photos
+        self.q_labels, self.g_labels = ((own_labels, other_labels) if modality == "sketch"
+                                        else (other_labels, own_labels))
+        self.top = min(TOP, len(self.g_labels))
+        self.map_fp32, self.tops_fp32 = self._retrieval(self._encode(fp32))
+
+    def _encode(self, encode: Encode) -> np.ndarray:
+        return np.concatenate([encode(b) for b in
+                               preprocessed(self.embedder, self.files, self.modality)])
+
+    def _retrieval(self, ours: np.ndarray) -> tuple[float, np.ndarray]:
+        f, g = (ours, self.theirs) if self.modality == "sketch" else (self.theirs, ours)
+        m = retrieval_metrics(f, g, self.q_labels, self.g_labels, TOP)["map_all"]
+        return m, np.argsort(-(f @ g.T), axis=1, kind="stable")[:, : self.top]
+
+    def __call__(self, int8: Encode) -> Parity:
+        map_int8, tops = self._retrieval(self._encode(int8))
+        overlap = np.mean([len(set(a) & set(b)) / self.top
+                           for a, b in zip(self.tops_fp32, tops, strict=True)])
+        return Parity(self.map_fp32, map_int8, float(overlap), len(self.q_labels))
+
+
 def measure_parity(embedder, valid: Dataset, modality: str, fp32: Encode, int8: Encode
                    ) -> Parity:
     """Parity of the int8 graph against the float32 graph of `modality` (both (N, 3, S, S)
     -> (N, width)) on the validation classes; the other modality is embedded by `embedder`
     (PyTorch, float32)."""
-    other = "photo" if modality == "sketch" else "sketch"
-    own_files, own_labels = _files(valid, modality)
-    other_files, other_labels = _files(valid, other)
-    theirs = np.concatenate([embedder.embed(images, other) for images in images_of(other_files)])
-    ours = {name: np.concatenate([encode(b) for b in preprocessed(embedder, own_files, modality)])
-            for name, encode in (("fp32", fp32), ("int8", int8))}
-    if modality == "sketch":  # queries are sketches, the gallery photos
-        pairs = {n: (e, theirs) for n, e in ours.items()}
-        q_labels, g_labels = own_labels, other_labels
-    else:
-        pairs = {n: (theirs, e) for n, e in ours.items()}
-        q_labels, g_labels = other_labels, own_labels
-    maps = {n: retrieval_metrics(f, g, q_labels, g_labels, TOP)["map_all"]
-            for n, (f, g) in pairs.items()}
-    top = min(TOP, len(g_labels))
-    tops = {n: np.argsort(-(f @ g.T), axis=1, kind="stable")[:, :top]
-            for n, (f, g) in pairs.items()}
-    overlap = np.mean([len(set(a) & set(b)) / top
-                       for a, b in zip(tops["fp32"], tops["int8"], strict=True)])
-    return Parity(maps["fp32"], maps["int8"], float(overlap), len(q_labels))
+    return ParityCheck(embedder, valid, modality, fp32)(int8)
 
 
 def with_metadata(proto, meta: dict[str, str]) -> bytes:
