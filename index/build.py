@@ -11,7 +11,7 @@ coordinates (default all: the learned modes, then the raw coordinates) and write
 fits `--max-index-memory`), with its recall against exact search printed when it is
 approximate. `--append` adds new photos to the index at `--out` (as `index.add`).
 
-`--engine ray`, a code kind (ivfsq8, ivfsq48, ivfpq, opq) or `--max-index-memory` build
+`--engine ray`, a code kind (ivfsq8, scanprefix, ivfsq48, ivfpq, opq) or `--max-index-memory` build
 through resumable embedding shards on disk (`index.sharded`); otherwise the embeddings are
 kept in memory. Both store the same vectors: the gallery is embedded slice by slice
 (`--shard-size` photos) either way. Photos whose frozen-backbone features training cached

@@ -1,8 +1,9 @@
 """The index kinds, one registered object each (`index.kinds.base`): the float32 kinds
-(`floats`: flat, ivf, hnsw), the code kinds (`codes`: ivfsq8, ivfpq, opq) and the mixed
-4/8-bit kind (`mixed`: ivfsq48). Importing this package registers them all."""
+(`floats`: flat, ivf, hnsw), the code kinds (`codes`: ivfsq8, ivfpq, opq), the mixed
+4/8-bit kind (`mixed`: ivfsq48) and the scanned-prefix kind (`prefix`: ivfprefix).
+Importing this package registers them all."""
 
-from index.kinds import codes, floats, mixed  # noqa: F401 - each registers its kinds
+from index.kinds import codes, floats, mixed, prefix  # noqa: F401 - each registers its kinds
 from index.kinds.base import (
     KINDS,
     DoesNotFit,

@@ -155,7 +155,7 @@ def _trained(kind: IvfCodes, blocks: list[Block], dims: int, params: dict, path:
     if path is not None and path.is_file():
         log.info("reusing the trained %s index %s", kind.name, path)
         return faiss.read_index(str(path))
-    n = min(total(blocks), max(MIN_SAMPLE, SAMPLE_PER_CELL * params["nlist"]))
+    n = min(total(blocks), max(MIN_SAMPLE, SAMPLE_PER_CELL * params.get("nlist", 1)))
     log.info("training %s %s on %d of %d vectors", kind.name, params, n, total(blocks))
     sample = np.ascontiguousarray(sample_vectors(blocks, n, seed)[:, :dims])
     index = kind.train(sample, params)

@@ -15,10 +15,14 @@ and a query q is mapped to q' = [q, q_1..q_lead] (an `IndexPreTransform`), so
 exactly its d-prefix of the decoded vector. c is on the quantizer's own grid (the same
 ranges are set for both: re-encoding a grid point gives it back), so it costs no error.
 
-The cells are k-means clusters of the first `coarse` coordinates (the coarse quantizer reads
-only those): a query's cells are then chosen by the leading modes that every d-prefix query
-shares, where cells of whole vectors spread the top results of small-d queries over many
-cells. The codes are absolute (not residuals from the cell centre).
+The cells are k-means clusters (Euclidean) of the first `coarse` coordinates, and a photo
+goes to its nearest centre; a query picks its cells by the inner product of its leading
+coordinates with the centres (the coarse quantizer reads only those): a query's cells are
+then chosen by the leading modes that every d-prefix query shares, where cells of whole
+vectors spread the top results of small-d queries over many cells. (Clustering and
+assigning by inner product instead sends most photos to the few centres of largest norm,
+and queries scan those crowded cells: docs/scale.md.)
+The codes are absolute (not residuals from the cell centre).
 """
 
 from __future__ import annotations
@@ -70,10 +74,11 @@ class MixedCodes(IvfCodes):
     def train(self, sample: np.ndarray, params: dict) -> faiss.Index:
         n, dims = sample.shape
         lead, coarse, nlist = params["lead"], params["coarse"], params["nlist"]
-        cells = faiss.IndexFlatIP(coarse)
         clustering = faiss.Clustering(coarse, nlist)
         clustering.niter, clustering.seed = KMEANS_ITER, 1234
-        clustering.train(np.ascontiguousarray(sample[:, :coarse]), cells)
+        clustering.train(np.ascontiguousarray(sample[:, :coarse]), faiss.IndexFlatL2(coarse))
+        cells = faiss.IndexFlatIP(coarse)  # queries pick cells by inner product
+        cells.add(faiss.vector_to_array(clustering.centroids).reshape(nlist, coarse))
         quantizer = faiss.IndexPreTransform(faiss.RemapDimensionsTransform(dims + lead, coarse,
                                                                            False), cells)
         ivf = faiss.IndexIVFScalarQuantizer(quantizer, dims + lead, nlist, QT4,
@@ -105,7 +110,10 @@ class MixedCodes(IvfCodes):
         n, dims = x.shape
         lead = ivf.d - dims
         y = np.concatenate([x, np.zeros((n, lead), np.float32)], axis=1)  # (n, dims + lead)
-        cells = ivf.quantizer.assign(y, 1).ravel()  # by the exact leading coordinates
+        centres = faiss.downcast_index(faiss.downcast_index(ivf.quantizer).index)
+        nearest = faiss.IndexFlatL2(centres.d)  # a photo goes to its nearest centre
+        nearest.add(centres.reconstruct_n(0, centres.ntotal))
+        cells = nearest.assign(np.ascontiguousarray(x[:, : centres.d]), 1).ravel()
         rounded = ivf.sq.decode(ivf.sq.compute_codes(y))[:, :lead]
         y[:, dims:] = x[:, :lead] - rounded
         y[:, :lead] = rounded

@@ -40,10 +40,10 @@ def synthetic_plan(folder: Path, vectors: np.ndarray, shard_size: int) -> ShardP
     return plan
 
 
-def recall(index, photos, sketches, d, stored):
+def recall(kind, index, photos, sketches, d):
     q = np.ascontiguousarray(sketches[:, :d])
     truth = np.argsort(-(q @ photos[:, :d].T), axis=1)[:, :10]  # numpy brute force
-    _, found = index.search(pad_queries(q, stored), 10)
+    _, found = kind.search(index, q, 10)
     return float(np.mean([len(set(t) & set(f)) / 10 for t, f in zip(truth, found, strict=True)]))
 
 
@@ -54,34 +54,46 @@ def sketchlike(tmp_path_factory):
     return photos, sketches, plan
 
 
-@pytest.mark.parametrize("name,floor", [("ivfsq8", 0.9), ("ivfsq48", 0.9), ("ivfpq", 0.5)])
-def test_code_kind_from_shards_against_brute_force(sketchlike, name, floor, record_property):
+@pytest.mark.parametrize("name,floor,extra", [
+    ("ivfsq8", 0.9, {}), ("ivfsq48", 0.9, {}), ("ivfpq", 0.5, {}),
+    # scanprefix: queries of 4 and 16 on its 16 leading coordinates, of 32 on the tail too
+    ("scanprefix", 0.9, {"lead": 16, "scan": 16, "fine": 8})])
+def test_code_kind_from_shards_against_brute_force(sketchlike, name, floor, extra,
+                                                   record_property):
     photos, sketches, plan = sketchlike
     kind = get(name)
-    params = kind.plan(len(photos), 32, nprobe=16)
+    params = {**kind.plan(len(photos), 32, nprobe=16), **extra}
     index = build_codes(kind, plan_blocks(plan), 32, params, work=plan.folder)
     assert index.ntotal == len(photos)
-    got = {d: recall(index, photos, sketches, d, 32) for d in (4, 16, 32)}
+    got = {d: recall(kind, index, photos, sketches, d) for d in (4, 16, 32)}
     record_property(f"{name}_recall", got)
     print(f"{name} recall@10 of sketch queries vs brute force: {got}")
     assert min(got.values()) >= floor, got
-    # Shard by shard gives the index FAISS's own add gives (the mixed kind: its own add of
-    # all vectors at once), from the same trained quantizers.
+    # Shard by shard gives the index FAISS's own add gives (the kinds that assign or split
+    # the codes themselves: their own add of all vectors at once), from the same trained
+    # quantizers.
     ref = kind.train(photos, params)  # the sample of 20,000 vectors is all of them
-    ref.add(photos) if name != "ivfsq48" else kind.add(ref, photos)
-    q = pad_queries(sketches[:20, :16], 32)
-    np.testing.assert_array_equal(index.search(q, 10)[1], ref.search(q, 10)[1])
+    ref.add(photos) if name in ("ivfsq8", "ivfpq") else kind.add(ref, photos)
+    for d in (16, 32):
+        q = sketches[:20, :d]
+        np.testing.assert_array_equal(kind.search(index, q, 10)[1], kind.search(ref, q, 10)[1])
 
 
-@pytest.mark.parametrize("name", ["ivfsq8", "ivfsq48"])
+@pytest.mark.parametrize("name", ["ivfsq8", "ivfsq48", "scanprefix"])
 def test_scalar_codes_score_the_decoded_prefix_exactly(sketchlike, name):
     """Zero-padded queries score the decoded d-prefix only: the scalar quantizers code each
-    coordinate (ivfsq48: each of its two components) on its own."""
+    coordinate (ivfsq48: each of its two components) on its own. (scanprefix: queries within
+    its 16 8-bit coordinates and wider ones alike.)"""
     photos, sketches, plan = sketchlike
     kind = get(name)
-    index = kind.build(plan_blocks(plan), 32, kind.plan(20_000, 32, nprobe=256))
+    narrow = {"lead": 16, "scan": 16, "fine": 8} if name == "scanprefix" else {}
+    params = {**kind.plan(20_000, 32, nprobe=256), **narrow}
+    index = kind.build(plan_blocks(plan), 32, params)
     decoded = kind.reconstruct(index, 0, 20_000)
-    assert np.abs(decoded - photos).max() < 0.05 * np.abs(photos).max()
+    scalar = 16 if name == "scanprefix" else 32  # its tail has product codes: no max bound
+    error = np.abs(decoded - photos)
+    assert error[:, :scalar].max() < 0.05 * np.abs(photos).max()
+    assert error.mean() < 0.01 * np.abs(photos).max()
     for d in (3, 16, 32):
         scores, rows = kind.search(index, sketches[:5, :d], 5)
         exact = np.einsum("qd,qkd->qk", sketches[:5, :d], decoded[rows][:, :, :d])
@@ -131,10 +143,13 @@ def test_budget_picks_kind_and_code_size():
     assert auto(n, d, "1G") == "opq"
     sq8 = get("ivfsq8")
     assert sq8.memory(n, d, sq8.plan(n, d)) == n * (256 + 8) + 4096 * 256 * 4 + 2 * 256 * 4
-    # today's width: 8-bit codes of all 512 would take 5.2 GB; the mixed kind codes as many
-    # leading coordinates with 8 bits as the budget allows, the others with 4
-    kind, params = choose(n, 512, parse_bytes("3G"))
-    assert kind.name == "ivfsq48" and params["lead"] == 114
+    # today's width: 8-bit codes of all 512 would take 5.2 GB; scanprefix fits (its plan:
+    # tests/index/test_prefix.py), and the mixed kind codes as many leading coordinates with
+    # 8 bits as the budget allows, the others with 4
+    assert auto(n, 512, "3G") == "scanprefix"
+    kind = get("ivfsq48")
+    params = kind.plan(n, 512, parse_bytes("3G"))
+    assert params["lead"] == 114
     assert kind.memory(n, 512, params) <= 3 * 2**30 < kind.memory(n, 512, {**params, "lead": 116})
     pq = get("ivfpq").plan(n, d, parse_bytes("1G"))
     assert pq["m"] == 64 and get("ivfpq").memory(n, d, pq) <= 2**30 < get("ivfpq").memory(
