@@ -233,7 +233,8 @@ def measure(kind, index, q: np.ndarray, folder: Path, args) -> list[dict]:
     import faiss
 
     rows = []
-    for nprobe in ([None] if kind.exact else args.nprobe):
+    cells = not kind.exact and faiss.try_extract_index_ivf(index) is not None
+    for nprobe in (args.nprobe if cells else [None]):
         if nprobe is not None:
             faiss.extract_index_ivf(index).nprobe = nprobe
         for d in args.dims:
@@ -279,7 +280,7 @@ def plot(results: list[dict], nprobe: int, dims_list: list[int], path: Path) -> 
 
     from training.files import atomic_savefig
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 6))
     kinds = sorted({r["kind"] for r in results})
     colours = dict(zip(kinds, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     styles = dict(zip(dims_list, (":", "-", "--", "-."), strict=False))
@@ -307,7 +308,7 @@ def plot(results: list[dict], nprobe: int, dims_list: list[int], path: Path) -> 
         ax.set_title(title)
         ax.set_xlabel("photos N")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
+        ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     axes[0].set_yscale("log")
     axes[2].set_yscale("log")
     fig.suptitle("simulated galleries (class model fitted to sketchy-mini embeddings of the "

@@ -32,7 +32,7 @@ def test_benchmark_imports_and_shows_help(name, capsys):
 # Benchmarks whose smoke mode needs data or arguments: each has a test of its own below
 # (test_<name>_smoke...), on generated data.
 OWN_TEST = {"cdk_bench", "cdk_finetune_bench", "cdk_levers_bench", "cdk_step_bench",
-            "loss_bench", "pde_bench", "scale_bench", "photo_table_bench"}
+            "loss_bench", "pde_bench", "scale_bench", "scale_ceilings", "photo_table_bench"}
 
 
 def test_every_smoke_mode_is_run():
@@ -424,6 +424,24 @@ def test_scale_bench_smoke(tmp_path):
     assert next(r for r in results if r["kind"] == "ivfsq48:coarse=4")["params"]["coarse"] == 4
     assert (tmp_path / "table.md").read_text().count("| 2,000 |") == 2 + 2 * 2  # rows of d
     assert (tmp_path / "scale.png").stat().st_size > 0
+
+
+def test_scale_ceilings_smoke(tmp_path):
+    """Each stage's ceiling on a tiny gallery: with every cell probed every neighbour's cell
+    is found, even cells have imbalance >= 1, more candidates never find fewer."""
+    from benchmarks.scale_ceilings import main
+
+    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "ceilings-2000.json").read_text())
+    assert result["nlist"] == 16 and len(result["cells"]) == 4
+    for row in result["cells"]:
+        assert row["imbalance"] >= 1
+        for entry in row["by_nprobe"]:  # nprobe >= 16 cells: all probed
+            assert entry["d16"] == entry["d64"] == 1.0 and entry["scanned_d16"] == 2000
+    codes = {(r["codes"], r["d"]): r["recall"] for r in result["codes"]}
+    assert codes[("float16", 16)] >= codes[("8-bit", 16)] > 0.5
+    for r in result["candidates"]:
+        assert 0 < r["R300"] <= r["R1000"] <= r["R3000"] == 1.0  # 3,000 > the 2,000 photos
 
 
 def test_photo_table_bench_smoke(tmp_path):

@@ -85,7 +85,9 @@ def serve(app, settings):
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
-        thread.join(timeout=10)
+        # uvicorn finishes the requests in flight first; a thread still running when pytest
+        # closes its captured streams would log into a closed file
+        thread.join(timeout=60)
 
 
 @contextmanager
