@@ -10,8 +10,9 @@ row is the id):
            fast-scan kernels (scan / 2 bytes)
     fine   the first `fine` coordinates in float16 (2 fine bytes)
     lead   coordinates fine..lead, 8-bit scalar codes (lead - fine bytes)
-    tail   coordinates lead.., product codes of two coordinates in 8 bits
-           ((dims - lead) / 2 bytes)
+    tail   coordinates lead.., rotated (OPQ: a learned rotation that evens out the
+           sub-vectors) and product-coded, two coordinates in 8 bits ((dims - lead) / 2
+           bytes)
 
 A query on d coordinates scans every photo's scan codes with its first min(d, scan)
 coordinates (zero-padded), keeps the best k_factor x max(k, 10) rows, scores each on the
@@ -45,6 +46,7 @@ FINE_DIMS = 16  # leading coordinates kept in float16
 DEFAULT_LEAD = 128  # coordinates with 8 bits or more when no budget sets them
 K_FACTOR = 300  # rows re-scored per query: K_FACTOR x max(k, 10)
 LEAST_K = 10
+OPQ_ITER, OPQ_PQ_ITER = 10, 4  # the tail rotation's training rounds (FAISS: 50, 4)
 MIN_COUNT = 39 * 256  # FAISS's least training points for the tail's 256 centroids
 STEP = 16  # lead is planned in steps of 16 where dims allow
 SQ = faiss.ScalarQuantizer
@@ -64,12 +66,21 @@ def _select(width: int, start: int, stop: int) -> faiss.RemapDimensionsTransform
 
 def parts(index: faiss.Index) -> list[faiss.Index]:
     """[scan, fine, lead, tail] FAISS indexes of a scanprefix index, unwrapped."""
+    return [faiss.downcast_index(w.index) for w in _wrappers(index)]
+
+
+def _wrappers(index: faiss.Index) -> list[faiss.IndexPreTransform]:
     found, node = [], faiss.downcast_index(index)
     while isinstance(node, faiss.IndexRefine):
-        found.append(node.refine_index)
+        found.append(faiss.downcast_index(node.refine_index))
         node = faiss.downcast_index(node.base_index)
     found.append(node)
-    return [faiss.downcast_index(faiss.downcast_index(p).index) for p in reversed(found)]
+    return found[::-1]
+
+
+def _rotation(index: faiss.Index) -> faiss.LinearTransform:
+    """The tail's learned rotation (second in its wrapper's chain, after the selection)."""
+    return faiss.downcast_VectorTransform(_wrappers(index)[-1].chain.at(1))
 
 
 @dataclass(frozen=True)
@@ -105,7 +116,8 @@ class ScanPrefix(IvfCodes):
 
     def memory(self, count: int, dims: int, params: dict) -> int:
         rows = -(-count // 32) * 32  # fast-scan codes are packed 32 rows a block
-        fixed = 16 * params["scan"] * 4 + 2 * dims * 4 + 256 * (dims - params["lead"]) * 4
+        tail = dims - params["lead"]
+        fixed = 16 * params["scan"] * 4 + 2 * dims * 4 + 256 * tail * 4 + tail * tail * 4
         return count * _code_bytes(dims, params) + (rows - count) * params["scan"] // 2 + fixed
 
     def train(self, sample: np.ndarray, params: dict) -> faiss.Index:
@@ -123,9 +135,17 @@ class ScanPrefix(IvfCodes):
                 (faiss.IndexPQ(dims - lead, (dims - lead) // 2, 8, faiss.METRIC_INNER_PRODUCT),
                  lead, dims)]
         wrapped = []
-        for part, start, stop in made:
+        for part, start, stop in made[:3]:
             part.train(np.ascontiguousarray(x[:, start:stop]))
             wrapped.append(faiss.IndexPreTransform(_select(dims, start, stop), part))
+        tail_pq, start, stop = made[3]
+        rotation = faiss.OPQMatrix(stop - start, tail_pq.pq.M)
+        rotation.niter, rotation.niter_pq = OPQ_ITER, OPQ_PQ_ITER
+        rotation.train(np.ascontiguousarray(x[:, start:stop]))
+        tail_pq.train(rotation.apply(np.ascontiguousarray(x[:, start:stop])))
+        tail = faiss.IndexPreTransform(rotation, tail_pq)
+        tail.prepend_transform(_select(dims, start, stop))
+        wrapped.append(tail)
         index = wrapped[0]
         for part in wrapped[1:]:
             index = faiss.IndexRefine(index, part)
@@ -138,7 +158,10 @@ class ScanPrefix(IvfCodes):
         codes, start = [], 0
         for i, part in enumerate(parts(index)):
             stop = part.d if i == 0 else start + part.d
-            codes.append(part.sa_encode(np.ascontiguousarray(x[:, start:stop])))
+            chunk = np.ascontiguousarray(x[:, start:stop])
+            if i == 3:
+                chunk = _rotation(index).apply(chunk)
+            codes.append(part.sa_encode(chunk))
             start = 0 if i == 0 else stop
         return np.concatenate(codes, 1)
 
@@ -178,11 +201,16 @@ class ScanPrefix(IvfCodes):
         picked, owner = rows[found], np.nonzero(found)[0]
         scores = np.zeros(len(picked), dtype=np.float32)
         start = 0
-        for part in rest:  # fine, lead, tail: each adds its coordinates of the d-prefix
-            stop = min(d, start + part.d)
+        for i, part in enumerate(rest):  # fine, lead, tail: each adds its coordinates of
+            stop = min(d, start + part.d)  # the d-prefix
             if stop > start:
-                decoded = _decode_rows(part, picked)[:, : stop - start]
-                scores += np.einsum("rd,rd->r", decoded, q[owner, start:stop])
+                coords = q[:, start:stop]
+                if i == 2:  # <q, R^T y> = <R q, y>: the query turned, not the rows
+                    padded = np.zeros((n, part.d), dtype=np.float32)
+                    padded[:, : stop - start] = coords
+                    coords = _rotation(index).apply(padded)
+                decoded = _decode_rows(part, picked)[:, : coords.shape[1]]
+                scores += np.einsum("rd,rd->r", decoded, coords[owner])
             start += part.d
         full = np.full(rows.shape, -np.inf, dtype=np.float32)
         full[found] = scores
@@ -192,7 +220,10 @@ class ScanPrefix(IvfCodes):
         return best, rows
 
     def reconstruct(self, index: faiss.Index, start: int, count: int) -> np.ndarray:
-        return np.concatenate([p.reconstruct_n(start, count) for p in parts(index)[1:]], 1)
+        fine, lead, tail = parts(index)[1:]
+        rotated = tail.reconstruct_n(start, count)
+        return np.concatenate([fine.reconstruct_n(start, count), lead.reconstruct_n(start, count),
+                               _rotation(index).reverse_transform(rotated)], 1)
 
 
 def _decode_rows(part: faiss.IndexFlatCodes, rows: np.ndarray) -> np.ndarray:
@@ -210,5 +241,6 @@ def _shape(lead: int) -> dict:
 
 SCAN = register(ScanPrefix(
     "scanprefix", "4-bit fast-scan codes of the leading coordinates scanned for every photo, "
-    "the best k_factor x k re-scored from float16, 8-bit and product codes of the whole vector",
+    "the best k_factor x k re-scored from float16, 8-bit and rotated product codes of the "
+    "whole vector",
     rank=2.5))

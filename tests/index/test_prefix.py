@@ -93,8 +93,8 @@ def test_budget_plans_the_8_bit_width():
     assert plan == {"scan": 32, "fine": 16, "lead": 64, "k_factor": 300}
     assert KIND.memory(n, dims, plan) <= 3 * 2**30 < KIND.memory(n, dims, {**plan, "lead": 80})
     # per photo: 16 bytes of fast-scan codes, 32 of float16, 48 of 8-bit codes, 224 of
-    # product codes; codebooks and ranges
-    fixed = 16 * 32 * 4 + 2 * 512 * 4 + 256 * 448 * 4
+    # product codes; codebooks, ranges and the tail's rotation
+    fixed = 16 * 32 * 4 + 2 * 512 * 4 + 256 * 448 * 4 + 448 * 448 * 4
     assert KIND.memory(n, dims, plan) == n * (16 + 32 + 48 + 224) + fixed
     kind, params = choose(n, dims, parse_bytes("3G"))
     assert (kind.name, params) == ("scanprefix", plan)
