@@ -45,12 +45,14 @@ class TopR:
         self.rows = np.zeros((queries, 0), np.int64)
 
     def add(self, scores: np.ndarray, start: int) -> None:
+        """Merge a block's scores (queries, rows from `start`): its own top R first, so no
+        row numbers are made for the whole block."""
         import torch
 
-        s = torch.cat([torch.from_numpy(self.scores), torch.from_numpy(scores)], 1)
-        rows = np.concatenate([self.rows, start + np.arange(scores.shape[1])[None].repeat(
-            len(scores), 0)], 1)
-        top = torch.topk(s, min(self.r, s.shape[1]), dim=1)
+        block = torch.topk(torch.from_numpy(scores), min(self.r, scores.shape[1]), dim=1)
+        s = np.concatenate([self.scores, block.values.numpy()], 1)
+        rows = np.concatenate([self.rows, start + block.indices.numpy()], 1)
+        top = torch.topk(torch.from_numpy(s), min(self.r, s.shape[1]), dim=1)
         self.scores = top.values.numpy()
         self.rows = np.take_along_axis(rows, top.indices.numpy(), 1)
 

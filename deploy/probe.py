@@ -18,6 +18,7 @@ library only: it runs with the host's python3, outside the image.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import mimetypes
 import sys
@@ -115,7 +116,7 @@ def class_precision(url: str, sketches: list[Path], k: int, gallery: dict[str, s
             continue
         cls = sketch.parent.name
         shares.append(sum(r["class"] == cls for r in answer["results"]) / k)
-    sizes = {c: list(gallery.values()).count(c) for c in {s.parent.name for s in sketches}}
+    sizes = collections.Counter(gallery.values())  # photos a class
     chance = sum(sizes[s.parent.name] for s in sketches) / len(sketches) / len(gallery)
     return (sum(shares) / len(shares) if shares else 0.0), chance, found
 

@@ -153,17 +153,10 @@ class ScanPrefix(IvfCodes):
         return index
 
     def encode(self, index: faiss.Index, vectors: np.ndarray) -> np.ndarray:
-        """(n, dims) -> the four parts' codes side by side, per row."""
+        """(n, dims) -> the four parts' codes side by side, per row (each part's wrapper
+        selects its coordinates, and turns the tail's, before encoding them)."""
         x = np.ascontiguousarray(vectors, dtype=np.float32)
-        codes, start = [], 0
-        for i, part in enumerate(parts(index)):
-            stop = part.d if i == 0 else start + part.d
-            chunk = np.ascontiguousarray(x[:, start:stop])
-            if i == 3:
-                chunk = _rotation(index).apply(chunk)
-            codes.append(part.sa_encode(chunk))
-            start = 0 if i == 0 else stop
-        return np.concatenate(codes, 1)
+        return np.concatenate([wrapper.sa_encode(x) for wrapper in _wrappers(index)], 1)
 
     def add_codes(self, index: faiss.Index, codes: np.ndarray, start: int) -> None:
         scanned, *rest = parts(index)
