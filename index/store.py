@@ -188,6 +188,11 @@ class GalleryIndex:
             raise ValueError(f"query has {queries.shape[1]} dims; the index stores {self.dims}")
         return self.kind.search(self.index, queries, min(k, len(self)))
 
+    def vectors(self, rows: np.ndarray) -> np.ndarray:
+        """The stored vectors of `rows` (M,), as the index scores them (decoded for code
+        kinds): (M, dims)."""
+        return self.kind.vectors(self.index, np.asarray(rows, dtype=np.int64))
+
     def photo_path(self, photo: Photo, photos_root: Path | None = None) -> Path:
         """Absolute path of a photo; `photos_root` overrides the root recorded at build."""
         root = Path(self.sidecar.photos_root) if photos_root is None else photos_root

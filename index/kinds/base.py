@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import math
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from index.blocks import Block, array_blocks
 from index.search import pad_queries
 
 __all__ = ["Kind", "DoesNotFit", "KINDS", "register", "get", "choose", "resolve",
-           "parse_bytes", "reconstruct_all"]
+           "parse_bytes", "reconstruct_all", "row_map"]
 
 _SIZES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -93,11 +94,31 @@ class Kind(abc.ABC):
 
     def reconstruct(self, index: faiss.Index, start: int, count: int) -> np.ndarray:
         """Stored rows start..start+count as vectors (count, dims), decoded for code kinds."""
-        try:
-            faiss.extract_index_ivf(index).make_direct_map()  # IVF lists: no row map by default
-        except RuntimeError:
-            pass  # not an IVF index
+        row_map(index)
         return index.reconstruct_n(start, count)
+
+    def vectors(self, index: faiss.Index, rows: np.ndarray) -> np.ndarray:
+        """The stored vectors of `rows` (M,), in that order: (M, dims), decoded for code
+        kinds (what the index scores them by)."""
+        if len(rows) == 0:
+            return np.zeros((0, index.d), dtype=np.float32)
+        return np.concatenate([self.reconstruct(index, int(r), 1) for r in rows])
+
+
+_ROW_MAP_LOCK = threading.Lock()
+
+
+def row_map(index: faiss.Index) -> None:
+    """Give an IVF index its row -> (list, offset) map, once (IVF lists keep none by default;
+    making it again would rebuild it, and the service reads rows from several threads); no-op
+    for other indexes."""
+    try:
+        ivf = faiss.extract_index_ivf(index)
+    except RuntimeError:
+        return  # not an IVF index
+    with _ROW_MAP_LOCK:
+        if ivf.direct_map.type == faiss.DirectMap.NoMap:
+            ivf.make_direct_map()
 
 
 KINDS: dict[str, Kind] = {}

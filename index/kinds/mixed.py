@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from index.kinds.base import DoesNotFit, register
+from index.kinds.base import DoesNotFit, register, row_map
 from index.kinds.codes import IvfCodes
 from index.kinds.floats import ID_BYTES
 
@@ -123,8 +123,8 @@ class MixedCodes(IvfCodes):
         return codes
 
     def reconstruct(self, index: faiss.Index, start: int, count: int) -> np.ndarray:
+        row_map(index)
         ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
-        ivf.make_direct_map()
         y = ivf.reconstruct_n(start, count)  # (count, dims + lead)
         dims = index.d
         x = y[:, :dims].copy()

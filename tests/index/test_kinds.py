@@ -169,3 +169,21 @@ def test_recall_at_small_d_for_sketch_queries(kind, n, record_property):
     print(f"{kind} recall@10 of sketch queries vs exact: {recalls}")
     # IVF with nprobe 16 gave 0.87 at d=16 (0.92 at d=64), hence nprobe 64.
     assert recalls[16] >= 0.95 and min(recalls.values()) >= 0.9, recalls
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_vectors_of_any_rows_are_the_rows_the_index_decodes(name):
+    """`Kind.vectors` (what query expansion reads) against the kind's own `reconstruct` of
+    the whole index, for rows in any order, from several threads at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    kind = get(name)
+    vectors = sketch_like(12_000, 1, L=16)[0]
+    index = kind.build_vectors(vectors, kind.plan(len(vectors), 16))
+    every = kind.reconstruct(index, 0, len(vectors))
+    rows = np.random.default_rng(1).choice(len(vectors), size=(8, 5), replace=False)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda r: kind.vectors(index, r), rows))
+    for r, v in zip(rows, got, strict=True):
+        np.testing.assert_allclose(v, every[r], rtol=1e-5, atol=1e-6)  # rotations: rounding
+    assert kind.vectors(index, np.zeros(0, np.int64)).shape == (0, 16)
