@@ -25,11 +25,15 @@ and raw coordinates) alone and against the smoothed gallery; the modes against t
 smoothed gallery without raw coordinates; and the d = 16 share (the 16 leading modes
 against all L, both against the smoothed gallery). Held-out sets: split 2's validation
 classes and the 5 class folds of its non-test classes (training.cdk.splits.class_folds);
-no test-class image is read.
+no test-class image is read. "service" here is the smoothed gallery without query
+expansion; `--expansion-grid` scores the saved heads with each query expansion of
+EXPANSION_GRID (training.cdk.model.smoothing.Expansion) without training again.
 
     python -m benchmarks.cdk_kernel_bench --data ../shared/data/sketchy-mini \\
         --kernels class "instance 0.3" --out runs/cdk-kernels --threads 1
     python -m benchmarks.cdk_kernel_bench --out runs/cdk-kernels --report
+    python -m benchmarks.cdk_kernel_bench --data ../shared/data/sketchy-mini \\
+        --kernels "instance 0.5" --seeds 0 1 --out runs/cdk-kernels --expansion-grid
 """
 
 from __future__ import annotations
@@ -50,10 +54,10 @@ from training.allocator import tune_allocator
 from training.cdk.config import Config, make_config
 from training.cdk.data import scan
 from training.cdk.features import extract_features
-from training.cdk.metrics import retrieval_metrics, smoothed_metrics
+from training.cdk.metrics import retrieval_metrics, service_metrics, smoothed_metrics
 from training.cdk.model.backbones import Backbone, build_backbone, with_flip_average
-from training.cdk.model.heads import MODALITIES, embedding
-from training.cdk.model.smoothing import Smoothing
+from training.cdk.model.heads import MODALITIES, Head, embedding, fit_raw_projections
+from training.cdk.model.smoothing import Expansion, Smoothing
 from training.cdk.run import embed_features
 from training.cdk.splits import split_classes
 from training.cdk.train import TrainData, TrainResult, train
@@ -273,15 +277,22 @@ def _embed(head, x: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ one run
 
+def held_out_masks(F: dict, parts: dict) -> tuple[tuple, tuple]:
+    """((training sketches, photos), (held-out sketches, photos)): boolean masks over F's
+    rows for the classes parts["train"] and parts["valid"]."""
+    sl, pl = F["sketch_labels"], F["photo_labels"]
+    index = {c: i for i, c in enumerate(F["classes"])}
+    return tuple((np.isin(sl, ids), np.isin(pl, ids)) for ids in (
+        [index[c] for c in parts[w]] for w in ("train", "valid")))
+
+
 def held_out_rows(F: dict, parts: dict, name: str, class_emb=None):
     """(training rows (sketches, photos), held-out rows, the sampler of kernel
     KERNELS[name] on the training rows): boolean masks over F's rows for the classes
     parts["train"] and parts["valid"]; class_emb: {class name: (E,)} for semantic
     kernels."""
     sl, pl = F["sketch_labels"], F["photo_labels"]
-    index = {c: i for i, c in enumerate(F["classes"])}
-    (ts, tp), (vs, vp) = ((np.isin(sl, ids), np.isin(pl, ids)) for ids in (
-        [index[c] for c in parts[w]] for w in ("train", "valid")))
+    (ts, tp), (vs, vp) = held_out_masks(F, parts)
     relabel = {c: i for i, c in enumerate(np.unique(sl[ts]))}
     new_photo = np.cumsum(tp) - 1  # old photo row -> its row among the training photos
     data = {"sketch_labels": np.array([relabel[c] for c in sl[ts]]),
@@ -346,6 +357,70 @@ def scores(f, g, q_labels, g_labels, L: int, k: int) -> dict:
             "d16_share": service["map_by_dims"][d] / service["map_by_dims"][str(L)],
             "learned_map_by_dims": {str(n): retrieval_metrics(
                 f[:, :n], g[:, :n], *labels, k)["map_all"] for n in (8, 16, 32, 64) if n <= L}}
+
+
+# ------------------------------------------------------------------ query expansion
+
+EXPANSION_GRID = [Expansion(n, w) for n in (0, 1, 3, 5, 10, 20) for w in (0.25, 0.5, 1.0, 2.0)
+                  if n or w == 0.25]  # n = 0: none, once
+
+
+def saved_embeddings(cfg: Config, F: dict, parts: dict, heads: dict) -> tuple:
+    """(f, g, sketch labels, photo labels) of the held-out rows of ``parts``, embedded as
+    run_kernel embedded them, by the heads' state dicts saved in OUT/heads (the raw
+    coordinates' projection fitted again on the training rows: it is deterministic)."""
+    (ts, tp), (vs, vp) = held_out_masks(F, parts)
+    S, P = torch.as_tensor(F["sketch"]), torch.as_tensor(F["photo"])
+    raw = (fit_raw_projections(S[ts], P[tp], cfg.raw_dims, cfg.raw_weight) if cfg.raw_dims
+           else {m: None for m in MODALITIES})
+    out = []
+    for m, x in (("sketch", S[vs]), ("photo", P[vp])):
+        head = Head(S.shape[1], cfg.hidden, cfg.modes, cfg.mu)
+        head.load_state_dict(heads[m])
+        out.append(embedding(_embed(head, x), x, cfg.unit_embeddings, raw[m]))
+    return (*out, F["sketch_labels"][vs], F["photo_labels"][vp])
+
+
+def expansion_rows(cfg: Config, F: dict, name: str, set_name: str, parts: dict, seed: int,
+                   heads: dict) -> list[dict]:
+    """The service's numbers of one saved run for every query expansion of EXPANSION_GRID
+    (the gallery smoothed as the preset smooths it)."""
+    f, g, ql, gl = saved_embeddings(cfg, F, parts, heads)
+    d = str(min(16, cfg.modes))
+    rows = []
+    for ex in EXPANSION_GRID:
+        m = service_metrics(f, g, ql, gl, cfg.k, Smoothing(), ex)
+        rows.append({"kernel": name, "set": set_name, "seed": seed, "n": ex.n,
+                     "weight": ex.weight, "service_map": m["map_all"],
+                     "service_p": m["precision_at_k"],
+                     "d16_share": m["map_by_dims"][d] / m["map_by_dims"][str(cfg.modes)]})
+    return rows
+
+
+def expansion_report(rows: list[dict]) -> str:
+    """Markdown table per kernel and expansion: the folds' mean service mAP, P@k and d = 16
+    share (min over folds), the mean paired difference from no expansion on the same fold
+    and seed and how many runs it is ahead on, and the validation classes' mean."""
+    base = {(r["kernel"], r["set"], r["seed"]): r for r in rows if r["n"] == 0}
+    lines = ["| kernel | n | weight | folds: service mAP | P@k | paired vs none | ahead | "
+             "d = 16 share (min) | valid: service mAP |", "|---" * 9 + "|"]
+    for key in dict.fromkeys((r["kernel"], r["n"], r["weight"]) for r in rows):
+        rs = [r for r in rows if (r["kernel"], r["n"], r["weight"]) == key]
+        folds = [r for r in rs if r["set"] != "valid"]
+        valid = [r["service_map"] for r in rs if r["set"] == "valid"]
+        diffs = [r["service_map"] - base[r["kernel"], r["set"], r["seed"]]["service_map"]
+                 for r in folds]
+        if not folds:
+            continue
+        valid_cell = f"{np.mean(valid):.3f}" if valid else "-"
+        lines.append(
+            f"| {key[0]} | {key[1]} | {key[2] if key[1] else '-'} | "
+            f"{np.mean([r['service_map'] for r in folds]):.3f} | "
+            f"{np.mean([r['service_p'] for r in folds]):.3f} | {np.mean(diffs):+.4f} | "
+            f"{sum(x > 0 for x in diffs)}/{len(diffs)} | "
+            f"{np.mean([r['d16_share'] for r in folds]):.3f} "
+            f"({min(r['d16_share'] for r in folds):.3f}) | {valid_cell} |")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ data and report
@@ -429,6 +504,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spectra", action="store_true",
                     help="only the kernels' exact spectra on the training rows (no training), "
                          "to OUT/spectra.jsonl")
+    ap.add_argument("--expansion-grid", action="store_true",
+                    help="score the saved heads (OUT/heads) of --kernels and --seeds with every "
+                         "query expansion of EXPANSION_GRID, to OUT/expansion.jsonl, and print "
+                         "the table (no training)")
     ap.add_argument("--report", action="store_true",
                     help="print the table of OUT/results.jsonl and exit")
     args = ap.parse_args(argv)
@@ -463,6 +542,13 @@ def main(argv: list[str] | None = None) -> int:
     if any("semantic" in KERNELS[k] for k in args.kernels):
         names = [c for c in F["classes"]]  # the non-test classes; each run takes its own
         emb = dict(zip(names, text_embeddings(names, out / "text_embeddings.pt"), strict=True))
+    if args.expansion_grid:
+        rows = [row for name in args.kernels for set_name, parts in held for seed in args.seeds
+                for row in expansion_rows(cfg, F, name, set_name, parts, seed, torch.load(
+                    out / "heads" / f"{name}-{set_name}-{seed}.pt"))]
+        (out / "expansion.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(expansion_report(rows))
+        return 0
     for name in args.kernels:
         for set_name, parts in held:
             if args.spectra:

@@ -3,6 +3,7 @@ its sketch encoder, and the index's current version, checked to belong together.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from index.threads import set_threads
 from service.encoders import pick_encoder
 from service.retrieval import RetrievalEngine, check_width
 from service.settings import Settings
+from training.cdk.config import expansion, from_dict
 from training.cdk.model.embedder import Embedder
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,10 @@ def load_engine(settings: Settings) -> RetrievalEngine:
     log.info("loaded %s (width %d, %s, sketches by %s) and index %s version %s (%d photos, "
              "%d dims, %s)", checkpoint, embedder.width, embedder.backbone, encoder.name,
              settings.index, version, len(gallery), gallery.dims, gallery.sidecar.kind)
+    expand = expansion(from_dict(embedder.config))
+    if settings.expand_n is not None:
+        expand = dataclasses.replace(expand, n=settings.expand_n)
     return RetrievalEngine(embedder, gallery, settings.max_pixels, settings.photos_dir,
                            checkpoint, decode_side=2 * embedder.image_size,
-                           embed_batch=settings.embed_batch, encoder=encoder, version=version)
+                           embed_batch=settings.embed_batch, encoder=encoder, version=version,
+                           expansion=expand)

@@ -38,6 +38,10 @@ class Settings(BaseSettings):
     calibration_data: Path | None = Field(
         default=None, description="the training data for int8 calibration and parity; None: "
         "the folder the checkpoint was trained on")
+    expand_n: int | None = Field(
+        default=None, ge=0, description="query expansion: each query moves toward the mean "
+        "of its expand_n best photos and searches again; None: the checkpoint's (the cpu "
+        "preset: 5); 0: off (one search)")
     mirror_queries: bool | None = Field(
         default=None, description="None: sketches embedded as the checkpoint was trained "
         "(the cpu preset embeds each sketch alone, one backbone pass; a checkpoint trained "

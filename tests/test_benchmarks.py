@@ -324,6 +324,18 @@ def test_kernel_bench_runs_end_to_end_on_tiny_data(tmp_path, capsys):
     assert main(["--out", str(out), "--report"]) == 0
     table = capsys.readouterr().out
     assert "| instance 0.5 | folds mean | 2 |" in table and "| class | valid | 1 |" in table
+    # the query expansion grid over the saved heads: without expansion it gives back each
+    # run's own service numbers (embeddings rebuilt from the saved heads alone)
+    assert main([*args, "--kernels", "class", "--expansion-grid"]) == 0
+    grid = [json.loads(x) for x in (out / "expansion.jsonl").read_text().splitlines()]
+    own = {r["set"]: r for r in rows if r["kernel"] == "class"}
+    none = [g for g in grid if g["n"] == 0]
+    assert sorted(g["set"] for g in none) == ["fold0", "fold1", "valid"]
+    for g in none:
+        assert g["service_map"] == pytest.approx(own[g["set"]]["service_map"], abs=1e-6)
+        assert g["d16_share"] == pytest.approx(own[g["set"]]["d16_share"], abs=1e-6)
+    assert len(grid) == 3 * 21 and all(0 < g["service_map"] <= 1 for g in grid)
+    assert "| class | 5 | 0.5 |" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from training.cdk.data import scan
 from training.cdk.metrics import retrieval_metrics
 from training.cdk.model.checkpoint import load_checkpoint
 from training.cdk.model.embedder import Embedder
+from training.cdk.model.smoothing import Expansion, Smoothing, expand_exact, smooth
 from training.images import load_image
 
 CLASSES = ("airplane", "ant", "apple", "bat", "cow", "door", "pear")
@@ -119,6 +120,13 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
         r = retrieval_metrics(f, g, te.sketch_labels, te.photo_labels, 2)
         assert r["map_all"] == pytest.approx(want["map_all"], abs=1e-6)
         assert r["precision_at_k"] == pytest.approx(want["precision_at_k"], abs=1e-6)
+        # what the service answers: the smoothed gallery, each query expanded with its best
+        # photos (the preset's 5, of 6 here)
+        assert want["service"]["expansion"] == {"n": 5, "weight": 0.5}
+        gs = smooth(torch.as_tensor(g), Smoothing())
+        fq = expand_exact(torch.as_tensor(f), gs, Expansion())
+        r = retrieval_metrics(fq, gs, te.sketch_labels, te.photo_labels, 2)
+        assert r["map_all"] == pytest.approx(want["service"]["map_all"], abs=1e-6)
     np.testing.assert_allclose(e.singular_values.numpy(), m["singular_values"], rtol=1e-6)
 
     # Running again finds the finished run: no retraining, same numbers.
@@ -198,6 +206,9 @@ def test_cli_paper_preset_says_it_does_not_fit_and_writes_its_config(tiny, tmp_p
         "paper", 0, 4096, "vgg16")
     m = json.loads((out / "metrics.json").read_text())
     assert m["smoothed"] is None and m["config"] == cfg
+    # no smoothing and no expansion: the service's numbers are the plain embedding's
+    assert m["service"]["smoothing"] == {} and m["service"]["expansion"] == {}
+    assert m["service"]["map_all"] == pytest.approx(m["map_all"])
 
 
 def _generated(root: Path, classes: int = 6, per_class: int = 3) -> Path:

@@ -144,6 +144,9 @@ def test_from_dict_round_trips_and_refuses_configs_of_other_code():
     default = make_config()
     earlier = {k: v for k, v in to_dict(default).items() if k != "instance_share"}
     assert from_dict(earlier).instance_share == 0.0 and default.instance_share == 0.5
+    # query expansion trains nothing: a checkpoint from before it gets today's
+    earlier = {k: v for k, v in to_dict(default).items() if not k.startswith("expand_")}
+    assert (from_dict(earlier).expand_n, from_dict(earlier).expand_weight) == (5, 0.5)
     old = {k: v for k, v in to_dict(cfg).items() if k != "modes"}
     with pytest.raises(ValueError, match=r"ck.pt lacks the config fields \['modes'\].*retrain"):
         from_dict({**old, "L": 512}, "ck.pt")
@@ -184,3 +187,14 @@ def test_raw_coordinates_values():
         make_config(raw_weight=0.0)
     with pytest.raises(ValueError, match="raw_dims must be >= 0"):
         make_config(raw_dims=-1)
+
+
+def test_query_expansion_values():
+    from training.cdk.config import RUNTIME_FIELDS, expansion
+
+    assert expansion(make_config()).as_dict() == {"n": 5, "weight": 0.5}
+    assert not expansion(make_config("paper")).active  # the paper's setting: none
+    assert {"expand_n", "expand_weight"} <= set(RUNTIME_FIELDS)  # a run resumes with others
+    for bad in ({"expand_n": -1}, {"expand_weight": -0.5}):
+        with pytest.raises(ValueError, match="query expansion"):
+            make_config(**bad)

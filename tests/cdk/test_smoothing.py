@@ -1,12 +1,19 @@
-"""Gallery smoothing: the neighbour search against a brute-force loop, the update rule
-against a hand-written loop, its invariances, and that it helps a clustered gallery."""
+"""Gallery smoothing and query expansion: the neighbour search against a brute-force loop,
+the update rules against hand-written loops, their invariances, and that they help a
+clustered gallery."""
 
 import numpy as np
 import pytest
 import torch
 
-from training.cdk.metrics import retrieval_metrics, smoothed_metrics
-from training.cdk.model.smoothing import Smoothing, exact_neighbours, smooth
+from training.cdk.metrics import retrieval_metrics, service_metrics, smoothed_metrics
+from training.cdk.model.smoothing import (
+    Expansion,
+    Smoothing,
+    exact_neighbours,
+    expand_exact,
+    smooth,
+)
 
 
 def _loop_neighbours(g: np.ndarray, k: int) -> np.ndarray:
@@ -107,3 +114,50 @@ def test_smoothing_raises_map_on_a_clustered_gallery():
         assert sm["map_by_dims"][str(d)] == pytest.approx(want["map_all"])
         assert sm["precision_by_dims"][str(d)] == pytest.approx(want["precision_at_k"])
     assert smoothed_metrics(f, g, labels, labels, 10, Smoothing(k=0)) is None
+
+
+def test_expansion_matches_the_rule_written_out():
+    gen = torch.Generator().manual_seed(5)
+    f, g = torch.randn(9, 6, generator=gen), torch.randn(25, 6, generator=gen)
+    cfg = Expansion(n=4, weight=0.7)
+    want = []
+    for q in f.double().numpy():
+        best = sorted(range(25), key=lambda j: (-(q @ g.double().numpy()[j]), j))[:4]
+        want.append(q + 0.7 * g.double().numpy()[best].mean(0))
+    np.testing.assert_allclose(expand_exact(f, g, cfg).numpy(), np.array(want), rtol=1e-5,
+                               atol=1e-6)
+    torch.testing.assert_close(expand_exact(f, g, Expansion(n=0)), f)
+    torch.testing.assert_close(expand_exact(f, g, Expansion(n=3, weight=0.0)), f)
+    # n beyond the gallery: all of it
+    torch.testing.assert_close(expand_exact(f, g[:2], Expansion(n=10, weight=1.0)),
+                               f + g[:2].mean(0))
+
+
+@pytest.mark.parametrize("bad", [{"n": -1}, {"n": 2.5}, {"weight": -0.1}])
+def test_expansion_refuses_bad_settings(bad):
+    with pytest.raises(ValueError, match="query expansion"):
+        Expansion(**bad)
+
+
+def test_service_metrics_expand_each_prefix_against_the_smoothed_gallery():
+    gen = torch.Generator().manual_seed(6)
+    centres = torch.randn(8, 16, generator=gen) * 2
+    labels = np.repeat(np.arange(8), 12)
+    g = centres[labels] + 1.5 * torch.randn(96, 16, generator=gen)
+    f = centres[labels] + 3.0 * torch.randn(96, 16, generator=gen)
+    sm_cfg, ex_cfg = Smoothing(k=5, weight=4.0, rounds=2), Expansion(n=5, weight=0.5)
+    off = service_metrics(f, g, labels, labels, 10, sm_cfg, Expansion(n=0))
+    sm = smoothed_metrics(f, g, labels, labels, 10, sm_cfg)
+    assert off["expansion"] == {} and off["smoothing"] == sm["config"]
+    assert off["map_by_dims"] == sm["map_by_dims"] and off["map_all"] == sm["map_all"]
+    on = service_metrics(f, g, labels, labels, 10, sm_cfg, ex_cfg)
+    assert on["expansion"] == {"n": 5, "weight": 0.5}
+    g16 = smooth(g, sm_cfg)
+    for d in (2, 16):  # the query's d-prefix expanded with the gallery's d-prefixes
+        want = retrieval_metrics(expand_exact(f[:, :d], g16[:, :d], ex_cfg), g16[:, :d],
+                                 labels, labels, 10)
+        assert on["map_by_dims"][str(d)] == pytest.approx(want["map_all"])
+    assert on["map_all"] > off["map_all"]  # class neighbours pull the query to its class
+    plain = service_metrics(f, g, labels, labels, 10, Smoothing(k=0), Expansion(n=0))
+    assert plain["map_all"] == pytest.approx(retrieval_metrics(f, g, labels, labels,
+                                                               10)["map_all"])

@@ -13,7 +13,9 @@ from PIL import Image
 
 from service.deps import get_engine
 from service.main import create_app
+from service.retrieval import RetrievalEngine
 from tests.service.conftest import sketch_png
+from training.cdk.model.smoothing import Expansion
 
 
 def post(client, data: bytes, name="s.png", **params):
@@ -59,6 +61,7 @@ def test_info(client, engine):
     assert "L" not in info
     assert info["checkpoint_sha256"] == engine.embedder.checkpoint_sha256
     assert info["limits"]["max_k"] == 20 and info["model"].endswith("ckpt.pt")
+    assert info["query_expansion"] == {}  # the fixture's engine does not expand
 
 
 @pytest.mark.parametrize("d", [1, 3, 8])
@@ -77,6 +80,29 @@ def test_retrieve_matches_brute_force(client, engine, d):
         assert h["url"] == f"/photos/{h['id']}" and h["class"].startswith("class")
     assert [h["score"] for h in body["results"]] == sorted(
         (h["score"] for h in body["results"]), reverse=True)
+
+
+@pytest.mark.parametrize("d", [2, 8])
+def test_expanded_queries_match_brute_force(settings, engine, d):
+    """With query expansion the answer is brute force for the query moved toward the mean of
+    its 3 best photos' d-prefixes; /info says so."""
+    expanding = RetrievalEngine(engine.embedder, engine.gallery, settings.max_pixels,
+                                expansion=Expansion(n=3, weight=0.5))
+    app = create_app(settings, loader=lambda s: None)
+    app.dependency_overrides[get_engine] = lambda: expanding
+    client = TestClient(app)
+    png = sketch_png(seed=10 + d)
+    q = engine.embedder.embed([Image.open(io.BytesIO(png)).convert("RGB")], "sketch")[0, :d]
+    photos = engine.gallery.index.reconstruct_n(0, len(engine.gallery))[:, :d]
+    best = np.argsort(-(photos @ q), kind="stable")[:3]
+    scores = photos @ (q + 0.5 * photos[best].mean(0))
+    order = np.argsort(-scores, kind="stable")
+    body = post(client, png, dims=d, k=6).json()
+    assert [h["id"] for h in body["results"]] == [engine.gallery.photos[i].id
+                                                  for i in order[:6]]
+    np.testing.assert_allclose([h["score"] for h in body["results"]], scores[order[:6]],
+                               rtol=1e-5, atol=1e-6)
+    assert client.get("/info").json()["query_expansion"] == {"n": 3, "weight": 0.5}
 
 
 def test_defaults_and_timing_header(client):

@@ -47,7 +47,31 @@ def test_startup_loads_the_real_engine(real_index, small_sketches):
         r = client.post("/retrieve", params={"dims": 8, "k": 15},
                         files={"file": ("q.png", small_sketches[0], "image/png")})
         assert r.status_code == 200 and len(r.json()["results"]) == 15
-        assert client.get("/info").json()["model"] == "checkpoint.pt"
+        info = client.get("/info").json()
+        assert info["model"] == "checkpoint.pt"
+        assert info["query_expansion"] == {"n": 5, "weight": 0.5}  # the checkpoint's
+
+
+def test_expand_n_setting_overrides_the_checkpoint(real_index, small_sketches):
+    """EXPAND_N=0 answers with one search: the scores are the sketch's own inner products,
+    and they differ from the expanded ones."""
+    scores = {}
+    for n in (None, 0):
+        settings = Settings(index=real_index, expand_n=n, encoder="torch")
+        with TestClient(create_app(settings)) as client:
+            r = client.post("/retrieve", params={"dims": 8, "k": 5},
+                            files={"file": ("q.png", small_sketches[0], "image/png")})
+            scores[n] = [h["score"] for h in r.json()["results"]]
+            want = {} if n == 0 else {"n": 5, "weight": 0.5}
+            assert client.get("/info").json()["query_expansion"] == want
+            if n == 0:
+                engine = client.app.state.engine
+                image = engine.decode("q.png", small_sketches[0])  # as the service decodes
+                q = engine.embedder.embed([image], "sketch")[0, :8]
+                photos = engine.gallery.index.reconstruct_n(0, len(engine.gallery))[:, :8]
+                np.testing.assert_allclose(scores[0], np.sort(photos @ q)[::-1][:5],
+                                           rtol=1e-4, atol=1e-5)
+    assert not np.allclose(scores[None], scores[0])
 
 
 def test_startup_with_an_incomplete_checkpoint_says_which_keys_are_missing(tmp_path, real_index,

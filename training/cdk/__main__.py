@@ -43,6 +43,13 @@ def _main(argv: list[str]) -> int:
                   f"P@{m['k']} {sm['precision_at_k']:.4f}" + (
                       "" if m["valid"] is None else
                       f"; validation mAP@all {m['valid']['smoothed']['map_all']:.4f}"))
+        sv, e = m["service"], m["service"]["expansion"]
+        how = (f"each query expanded with its {e['n']} best photos, weight {e['weight']}"
+               if e else "no query expansion")
+        print(f"as the service answers ({how}): {m['evaluated_on']} mAP@all "
+              f"{sv['map_all']:.4f}  P@{m['k']} {sv['precision_at_k']:.4f}" + (
+                  "" if m["valid"] is None else
+                  f"; validation mAP@all {m['valid']['service']['map_all']:.4f}"))
         print(f"wrote {cfg.out}/checkpoint.pt and {cfg.out}/metrics.json")
     return 0
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from training import cli
 
 __all__ = ["Config", "PRESETS", "PRESET_REASONS", "METHODS", "NESTING_OF", "NESTING_WEIGHTS",
-           "fit_warnings", "nesting_weights", "smoothing", "make_config", "parse_args",
+           "expansion", "fit_warnings", "nesting_weights", "smoothing", "make_config", "parse_args",
            "to_dict", "from_dict"]
 
 # CLI method name -> nesting of training.loss.nesting_masks
@@ -30,7 +30,8 @@ PAIRINGS = ("class", "instance")
 NESTING_WEIGHTS = ("uniform", "harmonic")
 # Fields that do not change what is trained: a run may be resumed with other values.
 RUNTIME_FIELDS = ("out", "threads", "cache_dir", "k", "gallery_queries", "gallery_topk",
-                  "workers", "smooth_k", "smooth_weight", "smooth_rounds")
+                  "workers", "smooth_k", "smooth_weight", "smooth_rounds", "expand_n",
+                  "expand_weight")
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,11 @@ class Config:
     smooth_k: int = 10
     smooth_weight: float = 4.0
     smooth_rounds: int = 2
+    # query expansion (model.smoothing): the service moves each query toward the mean of
+    # its expand_n best photos, weighted expand_weight, and searches again. Evaluation
+    # reports it as "service". 0 turns it off
+    expand_n: int = 5
+    expand_weight: float = 0.5
 
     # -- fine-tuning the backbones with the heads (else cached frozen features). Every
     # BatchNorm layer keeps its pretrained statistics
@@ -159,6 +165,7 @@ PRESETS: dict[str, dict] = {
         "raw_dims": 0,
         "sort_modes": False,
         "smooth_k": 0,
+        "expand_n": 0,
     },
 }
 DEFAULT_PRESET = "cpu"
@@ -206,6 +213,13 @@ def smoothing(cfg: Config):
     from .model.smoothing import Smoothing  # local: keep config import light
 
     return Smoothing(cfg.smooth_k, cfg.smooth_weight, cfg.smooth_rounds)
+
+
+def expansion(cfg: Config):
+    """The query expansion of ``cfg`` (training.cdk.model.smoothing.Expansion)."""
+    from .model.smoothing import Expansion  # local: keep config import light
+
+    return Expansion(cfg.expand_n, cfg.expand_weight)
 
 
 def _check_choices(cfg: Config) -> None:
@@ -260,7 +274,8 @@ def _check_numbers(cfg: Config) -> None:
     for name in ("lr", "mu", "raw_weight"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name} must be positive, got {getattr(cfg, name)!r}")
-    smoothing(cfg)  # its own checks name the bad value
+    smoothing(cfg)  # their own checks name the bad value
+    expansion(cfg)
 
 
 def _check(cfg: Config) -> Config:
@@ -312,7 +327,9 @@ def to_dict(cfg: Config) -> dict:
 
 
 # Fields added after checkpoints were written without them: the value those were trained with.
-ADDED_LATER = {"instance_share": 0.0}  # the class kernel alone
+# Query expansion changes no trained weight (a runtime field): older models get today's.
+ADDED_LATER = {"instance_share": 0.0,  # the class kernel alone
+               "expand_n": Config.expand_n, "expand_weight": Config.expand_weight}
 
 
 def from_dict(d: dict, source: str = "config") -> Config:

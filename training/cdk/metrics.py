@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .model.smoothing import smooth
+from .model.smoothing import Expansion, Smoothing, expand_exact, smooth
 
 __all__ = ["spectrum_order", "heldout_order", "retrieval_metrics", "structure_curves",
            "orthogonality_stats", "power_of_two_dims", "cosine_scores_metrics", "pca_curves",
-           "smoothed_metrics"]
+           "service_metrics", "smoothed_metrics"]
 
 
 def spectrum_order(sv, top: int = 32) -> dict:
@@ -110,7 +110,7 @@ def structure_curves(f, g, q_labels, g_labels, k: int) -> dict:
     return {"most": most, "least": least}
 
 
-def smoothed_metrics(f, g, q_labels, g_labels, k: int, smoothing) -> dict | None:
+def smoothed_metrics(f, g, q_labels, g_labels, k: int, smoothing: Smoothing) -> dict | None:
     """Retrieval against the smoothed gallery (training.cdk.model.smoothing), as index.build
     stores it: {"config", "map_all", "precision_at_k", "k", "map_by_dims",
     "precision_by_dims"}. The gallery is smoothed once with all L modes (neighbours found
@@ -119,11 +119,31 @@ def smoothed_metrics(f, g, q_labels, g_labels, k: int, smoothing) -> dict | None
     stores. None when ``smoothing`` is off."""
     if not smoothing.active:
         return None
-    f, g = torch.as_tensor(f).float(), smooth(torch.as_tensor(g).float(), smoothing)
-    by = {d: retrieval_metrics(f[:, :d], g[:, :d], q_labels, g_labels, k)
+    return {"config": smoothing.as_dict(),
+            **_by_prefix(f, smooth(torch.as_tensor(g).float(), smoothing), q_labels,
+                         g_labels, k, Expansion(n=0))}
+
+
+def service_metrics(f, g, q_labels, g_labels, k: int, smoothing: Smoothing,
+                    expansion: Expansion) -> dict:
+    """What the service returns: queries f, expanded by ``expansion`` on each d-prefix
+    (training.cdk.model.smoothing.expand_exact), against the gallery g as index.build stores
+    it (smoothed by ``smoothing``): {"smoothing", "expansion" (their configs, {} when off),
+    "map_all", "precision_at_k", "k", "map_by_dims", "precision_by_dims"}."""
+    gallery = smooth(torch.as_tensor(g).float(), smoothing)
+    return {"smoothing": smoothing.as_dict() if smoothing.active else {},
+            "expansion": expansion.as_dict() if expansion.active else {},
+            **_by_prefix(f, gallery, q_labels, g_labels, k, expansion)}
+
+
+def _by_prefix(f, g, q_labels, g_labels, k: int, expansion: Expansion) -> dict:
+    """Metrics of the whole embedding and of each power-of-two d-prefix, the queries
+    expanded on that prefix."""
+    f, g = torch.as_tensor(f).float(), torch.as_tensor(g).float()
+    by = {d: retrieval_metrics(expand_exact(f[:, :d], g[:, :d], expansion), g[:, :d],
+                               q_labels, g_labels, k)
           for d in power_of_two_dims(f.shape[1])}
-    return {"config": smoothing.as_dict(), **by[f.shape[1]],
-            "map_by_dims": {str(d): m["map_all"] for d, m in by.items()},
+    return {**by[f.shape[1]], "map_by_dims": {str(d): m["map_all"] for d, m in by.items()},
             "precision_by_dims": {str(d): m["precision_at_k"] for d, m in by.items()}}
 
 

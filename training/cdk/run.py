@@ -19,7 +19,7 @@ from training.files import atomic_write_text
 from training.folders import DataError
 
 from . import distributed
-from .config import Config, fit_warnings, smoothing, to_dict
+from .config import Config, expansion, fit_warnings, smoothing, to_dict
 from .data import Dataset, scan
 from .features import extract_features
 from .metrics import (
@@ -27,13 +27,14 @@ from .metrics import (
     orthogonality_stats,
     pca_curves,
     retrieval_metrics,
+    service_metrics,
     smoothed_metrics,
     spectrum_order,
     structure_curves,
 )
 from .model.backbones import Backbone, build_backbone, with_flip_average
 from .model.heads import embedding
-from .model.smoothing import smooth
+from .model.smoothing import expand_exact, smooth
 from .plots import plot_gallery, plot_spectrum, plot_structure
 from .splits import split_classes
 from .train import TrainData, TrainResult, train
@@ -138,6 +139,9 @@ def _evaluate_and_write(cfg: Config, bbs: dict, res: TrainResult, split: dict, v
         log.info("mAP@all against the smoothed gallery: valid %s, test %s",
                  "n/a" if valid is None else f"{valid['smoothed']['map_all']:.4f}",
                  f"{ev.smoothed['map_all']:.4f}" if on_test else "n/a")
+    log.info("mAP@all as the service answers (smoothed gallery, expanded queries): valid %s, "
+             "test %s", "n/a" if valid is None else f"{valid['service']['map_all']:.4f}",
+             f"{ev.service['map_all']:.4f}" if on_test else "n/a")
     metrics = metrics_json(cfg, split, te, res, ev, train_seconds, valid)
     atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")
     write_plots(cfg, te if on_test else va, res, ev, out)
@@ -211,6 +215,7 @@ class Evaluation:
     orthogonality_test: dict
     orthogonality_train: dict
     smoothed: dict | None = None  # against the smoothed gallery (None: smoothing off)
+    service: dict | None = None  # as the service answers: smoothed gallery, expanded queries
     learned: dict | None = None  # the learned modes alone, when raw coordinates follow them
 
 
@@ -266,6 +271,7 @@ def evaluate(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, te: Datase
         orthogonality_test={"sketch": orthogonality_stats(fn), "photo": orthogonality_stats(gn)},
         orthogonality_train=_train_orthogonality(res, tr_s, tr_p, dev),
         smoothed=smoothed_metrics(f, g, *labels, cfg.k, smoothing(cfg)),
+        service=service_metrics(f, g, *labels, cfg.k, smoothing(cfg), expansion(cfg)),
         learned=(retrieval_metrics(f[:, :L], g[:, :L], *labels, cfg.k)
                  if res.raw is not None else None),
     )
@@ -290,6 +296,7 @@ def evaluate_valid(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, va: 
         "map_by_dims": _by_dims(most, "map_all"),
         "precision_by_dims": _by_dims(most, "precision_at_k"),
         "smoothed": smoothed_metrics(f, g, *labels, cfg.k, smoothing(cfg)),
+        "service": service_metrics(f, g, *labels, cfg.k, smoothing(cfg), expansion(cfg)),
         "classes": list(va.classes),
         "counts": {"sketches": len(va.sketches), "photos": len(va.photos)},
     }
@@ -326,6 +333,9 @@ def metrics_json(cfg: Config, split: dict, te: Dataset, res: TrainResult, ev: Ev
         "learned": ev.learned,
         # the same embeddings against the smoothed gallery that index.build stores
         "smoothed": ev.smoothed,
+        # what /retrieve returns: that gallery, each query expanded with its best photos
+        # (model.smoothing.Expansion) on the prefix it scores with
+        "service": ev.service,
         # the CDK's Rayleigh quotients at the learned pairs (the estimate modes are ordered
         # by), and sqrt(E f^2 E g^2), first-order in the pairs' error, beside them
         "singular_values": res.singular_values.tolist(),
@@ -377,8 +387,10 @@ def write_plots(cfg: Config, te: Dataset, res: TrainResult, ev: Evaluation, out:
         trained = torch.empty_like(res.singular_values)
         trained[torch.as_tensor(perm)] = res.singular_values
     plot_spectrum(res.singular_values, out / "spectrum.png", res.singular_values_norm, trained)
-    # the photos as an index of them returns them: smoothed when the config smooths
+    # the photos as the service returns them: smoothed when the config smooths, each
+    # query expanded with its best photos when it expands
     gallery = smooth(ev.g, smoothing(cfg))
-    plot_gallery(ev.f.numpy(), gallery.numpy(), te.sketch_labels, te.photo_labels, te.sketches,
+    queries = expand_exact(ev.f, gallery, expansion(cfg))
+    plot_gallery(queries.numpy(), gallery.numpy(), te.sketch_labels, te.photo_labels, te.sketches,
                  te.photos, out / "gallery.png", cfg.gallery_queries, cfg.gallery_topk,
                  cfg.seed)

@@ -1,5 +1,6 @@
 """Gallery smoothing: each photo embedding moves toward the mean of its nearest gallery
-neighbours (database-side augmentation), a few rounds.
+neighbours (database-side augmentation), a few rounds; and query expansion: each query
+moves toward the mean of the photos it retrieves first, and searches again.
 
     g <- (g + weight * mean_{j in kNN(g)} g_j) / (1 + weight)
                                    (rounds times; kNN by cosine, self excluded)
@@ -13,6 +14,14 @@ d-mode prefix. It costs nothing per query: the index stores the smoothed vectors
 serves class-level retrieval; instance-level retrieval (``--pairing instance``) wants the
 exact photo back and should not smooth (``--smooth-k 0``).
 
+Query expansion is the same averaging on the query side, at query time:
+
+    f <- f + weight * mean_{j in top-n(f)} g_j       (top-n by inner product, once)
+
+on the d-prefix a query scores with. A sketch's best photos are mostly of its class, and
+they are photos: their mean carries what photos of that class share, which a sketch draws
+only in part. It costs a second search and n stored vectors per query.
+
 ``smooth`` takes the neighbour search as an argument: exact search in torch here (training's
 evaluation), FAISS in ``index.build`` (tested to give the same neighbours).
 """
@@ -22,9 +31,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-__all__ = ["Smoothing", "exact_neighbours", "smooth"]
+__all__ = ["Expansion", "Smoothing", "exact_neighbours", "expand", "expand_exact", "smooth"]
 
 # (N, d) vectors, k, rows (R,) -> (R, k) int64 indices of the k rows of the N nearest to each
 # of ``rows`` by cosine, the row itself excluded
@@ -88,3 +98,47 @@ def smooth(g: torch.Tensor, cfg: Smoothing, neighbours: Neighbours = exact_neigh
                              f"expected {(len(rows), k)}")
         g[rows] = (g[rows] + cfg.weight * g[idx].mean(1)) / (1 + cfg.weight)
     return g
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """Query expansion: the n best photos of the first search (0: off) and the weight of
+    their mean against the query."""
+
+    n: int = 5
+    weight: float = 0.5
+
+    def __post_init__(self):
+        if not isinstance(self.n, int) or self.n < 0:
+            raise ValueError(f"query expansion n must be an integer >= 0, got {self.n!r}")
+        if not self.weight >= 0:
+            raise ValueError(f"query expansion weight must be >= 0, got {self.weight!r}")
+
+    @property
+    def active(self) -> bool:
+        return self.n > 0 and self.weight > 0
+
+    def as_dict(self) -> dict:
+        return {"n": self.n, "weight": self.weight}
+
+
+def expand(queries: np.ndarray | torch.Tensor, top: np.ndarray | torch.Tensor,
+           cfg: Expansion) -> np.ndarray | torch.Tensor:
+    """(Q, d) queries and (Q, n', d) the vectors of each one's best n' <= cfg.n photos ->
+    (Q, d) expanded queries (numpy or torch, as given; a query with no photo is kept)."""
+    if top.shape[1] == 0:
+        return queries
+    return queries + cfg.weight * top.mean(1)
+
+
+@torch.no_grad()
+def expand_exact(f: torch.Tensor, g: torch.Tensor, cfg: Expansion) -> torch.Tensor:
+    """(Q, d) queries expanded with their best photos in the gallery g (N, d), found by
+    exact inner product (ties by index): what the service does over a flat index."""
+    f = torch.as_tensor(f)
+    g = torch.as_tensor(g).to(f.dtype)
+    n = min(cfg.n, len(g))
+    if not cfg.active or n < 1:
+        return f
+    top = torch.sort(-(f @ g.T), dim=1, stable=True).indices[:, :n]  # (Q, n)
+    return expand(f, g[top], cfg)
