@@ -93,14 +93,21 @@ def test_smoothing_some_rows_holds_the_others_fixed():
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-6)
 
 
-def test_smoothing_raises_map_on_a_clustered_gallery():
-    # photos of a class scattered around its centre; queries are noisier: averaging each
-    # photo with its same-class neighbours moves it toward the centre the queries point at
-    gen = torch.Generator().manual_seed(4)
+def clustered(seed: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """(queries, photos, labels): photos of 8 classes scattered around their class centre,
+    queries of the same classes noisier."""
+    gen = torch.Generator().manual_seed(seed)
     centres = torch.randn(8, 16, generator=gen) * 2
     labels = np.repeat(np.arange(8), 12)
     g = centres[labels] + 1.5 * torch.randn(96, 16, generator=gen)
     f = centres[labels] + 3.0 * torch.randn(96, 16, generator=gen)
+    return f, g, labels
+
+
+def test_smoothing_raises_map_on_a_clustered_gallery():
+    # averaging each photo with its same-class neighbours moves it toward the centre the
+    # queries point at
+    f, g, labels = clustered(4)
     plain = retrieval_metrics(f, g, labels, labels, 10)["map_all"]
     sm = smoothed_metrics(f, g, labels, labels, 10, Smoothing(k=5, weight=4.0, rounds=2))
     assert sm["map_all"] > plain + 0.05
@@ -140,11 +147,7 @@ def test_expansion_refuses_bad_settings(bad):
 
 
 def test_service_metrics_expand_each_prefix_against_the_smoothed_gallery():
-    gen = torch.Generator().manual_seed(6)
-    centres = torch.randn(8, 16, generator=gen) * 2
-    labels = np.repeat(np.arange(8), 12)
-    g = centres[labels] + 1.5 * torch.randn(96, 16, generator=gen)
-    f = centres[labels] + 3.0 * torch.randn(96, 16, generator=gen)
+    f, g, labels = clustered(6)
     sm_cfg, ex_cfg = Smoothing(k=5, weight=4.0, rounds=2), Expansion(n=5, weight=0.5)
     off = service_metrics(f, g, labels, labels, 10, sm_cfg, Expansion(n=0))
     sm = smoothed_metrics(f, g, labels, labels, 10, sm_cfg)
