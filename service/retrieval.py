@@ -21,7 +21,7 @@ from index.store import GalleryIndex, IndexCorruptError
 from service.encoders import Encoder, TorchEncoder
 from service.galleries import GalleryHolder
 from service.photo_files import UnknownPhotoError, read_photo
-from training.cdk.model.smoothing import Expansion, expand
+from training.cdk.model.smoothing import Expansion, expand_with
 from training.images import decode_image
 
 log = logging.getLogger(__name__)
@@ -144,23 +144,11 @@ class RetrievalEngine:
             queries = self._embed(images, dims, timings)
             del images
             t0 = time.perf_counter()
-            queries = self._expand(gallery, queries)
+            queries = expand_with(queries, gallery.search, gallery.vectors, self.expansion)
             scores, rows = gallery.search(queries, k)  # (N, k') each
             timings.search = time.perf_counter() - t0
             hits = [_hits(gallery, srow, rrow) for srow, rrow in zip(scores, rows, strict=True)]
         return hits, timings
-
-    def _expand(self, gallery: GalleryIndex, queries: np.ndarray) -> np.ndarray:
-        """(N, d) queries moved toward the mean of their best photos' stored d-prefixes."""
-        if not self.expansion.active:
-            return queries
-        _, rows = gallery.search(queries, self.expansion.n)  # (N, n') each
-        d = queries.shape[1]
-        out = queries.copy()
-        for i, r in enumerate(rows):
-            top = gallery.vectors(r[r >= 0])[None, :, :d]  # (1, n'', d)
-            out[i] = expand(queries[i : i + 1], top, self.expansion)[0]
-        return out
 
     def read_photo(self, photo_id: str) -> tuple[bytes, str]:
         """(bytes, media type) of a gallery photo by id (service.photo_files.read_photo)."""

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["Expansion", "Smoothing", "exact_neighbours", "expand", "expand_exact", "smooth"]
+__all__ = ["Expansion", "Smoothing", "exact_neighbours", "expand", "expand_exact", "expand_with",
+           "smooth"]
 
 # (N, d) vectors, k, rows (R,) -> (R, k) int64 indices of the k rows of the N nearest to each
 # of ``rows`` by cosine, the row itself excluded
@@ -142,3 +143,19 @@ def expand_exact(f: torch.Tensor, g: torch.Tensor, cfg: Expansion) -> torch.Tens
         return f
     top = torch.sort(-(f @ g.T), dim=1, stable=True).indices[:, :n]  # (Q, n)
     return expand(f, g[top], cfg)
+
+
+def expand_with(queries: np.ndarray, search: Callable, vectors: Callable, cfg: Expansion
+                ) -> np.ndarray:
+    """(N, d) float32 queries expanded with their best photos in an index: ``search``
+    (queries, n) -> (scores, rows (N, n'), -1 where none) finds them, ``vectors`` (rows,) ->
+    (M, D >= d) reads their stored vectors (the service's GalleryIndex.search and .vectors)."""
+    if not cfg.active:
+        return queries
+    _, rows = search(queries, cfg.n)
+    d = queries.shape[1]
+    out = queries.copy()
+    for i, r in enumerate(rows):
+        top = vectors(r[r >= 0])[None, :, :d]  # (1, n'', d)
+        out[i] = expand(queries[i : i + 1], top, cfg)[0]
+    return out
