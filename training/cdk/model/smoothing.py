@@ -20,7 +20,8 @@ Query expansion is the same averaging on the query side, at query time:
 
 on the d-prefix a query scores with. A sketch's best photos are mostly of its class, and
 they are photos: their mean carries what photos of that class share, which a sketch draws
-only in part. It costs a second search and n stored vectors per query.
+only in part. It costs a second search and n stored vectors per query, and serves
+class-level retrieval alike (``--expand-n 0`` for instance-level).
 
 ``smooth`` takes the neighbour search as an argument: exact search in torch here (training's
 evaluation), FAISS in ``index.build`` (tested to give the same neighbours).
