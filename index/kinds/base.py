@@ -99,10 +99,12 @@ class Kind(abc.ABC):
 
     def vectors(self, index: faiss.Index, rows: np.ndarray) -> np.ndarray:
         """The stored vectors of `rows` (M,), in that order: (M, dims), decoded for code
-        kinds (what the index scores them by)."""
+        kinds (what the index scores them by). Row by row through the row map: an IVF
+        index's `reconstruct_n` walks every list, whatever the count."""
         if len(rows) == 0:
             return np.zeros((0, index.d), dtype=np.float32)
-        return np.concatenate([self.reconstruct(index, int(r), 1) for r in rows])
+        row_map(index)
+        return index.reconstruct_batch(np.asarray(rows, dtype=np.int64))
 
 
 _ROW_MAP_LOCK = threading.Lock()

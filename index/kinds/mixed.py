@@ -125,11 +125,21 @@ class MixedCodes(IvfCodes):
     def reconstruct(self, index: faiss.Index, start: int, count: int) -> np.ndarray:
         row_map(index)
         ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
-        y = ivf.reconstruct_n(start, count)  # (count, dims + lead)
-        dims = index.d
-        x = y[:, :dims].copy()
-        x[:, : ivf.d - dims] += y[:, dims:]
-        return x
+        return _fold(index, ivf, ivf.reconstruct_n(start, count))
+
+    def vectors(self, index: faiss.Index, rows: np.ndarray) -> np.ndarray:
+        row_map(index)
+        ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
+        return _fold(index, ivf, ivf.reconstruct_batch(np.asarray(rows, dtype=np.int64)))
+
+
+def _fold(index: faiss.Index, ivf: faiss.IndexIVF, y: np.ndarray) -> np.ndarray:
+    """Decoded rows (count, dims + lead) -> vectors (count, dims): the lead's remainders
+    added back to its rounded coordinates."""
+    dims = index.d
+    x = y[:, :dims].copy()
+    x[:, : ivf.d - dims] += y[:, dims:]
+    return x
 
 
 MIXED = register(MixedCodes(

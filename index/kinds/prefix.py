@@ -218,6 +218,13 @@ class ScanPrefix(IvfCodes):
         return np.concatenate([fine.reconstruct_n(start, count), lead.reconstruct_n(start, count),
                                _rotation(index).reverse_transform(rotated)], 1)
 
+    def vectors(self, index: faiss.Index, rows: np.ndarray) -> np.ndarray:
+        fine, lead, tail = parts(index)[1:]
+        rows = np.asarray(rows, dtype=np.int64)
+        rotated = np.ascontiguousarray(_decode_rows(tail, rows))
+        return np.concatenate([_decode_rows(fine, rows), _decode_rows(lead, rows),
+                               _rotation(index).reverse_transform(rotated)], 1)
+
 
 def _decode_rows(part: faiss.IndexFlatCodes, rows: np.ndarray) -> np.ndarray:
     """The decoded vectors of `rows` of a flat code index: its codes (mapped from the file
