@@ -29,10 +29,11 @@ def to_gpu(index: faiss.Index) -> faiss.Index:
 
 
 class SerializedIndex:
-    """A FAISS index whose searches run one at a time.
+    """A FAISS index whose searches and row reads run one at a time.
 
     FAISS documents GPU indexes as not thread-safe (CPU indexes are, for search); a server
-    searching from a thread pool wraps a GPU index in this. Other attributes pass through.
+    searching from a thread pool wraps a GPU index in this (query expansion reads stored rows
+    between searches). Other attributes pass through.
     """
 
     def __init__(self, index: faiss.Index):
@@ -43,6 +44,11 @@ class SerializedIndex:
         """(N, d) queries -> (scores (N, k), ids (N, k)), as ``faiss.Index.search``."""
         with self._lock:
             return self.index.search(queries, k)
+
+    def reconstruct_batch(self, rows: np.ndarray) -> np.ndarray:
+        """(M,) rows -> (M, d) stored vectors, as ``faiss.Index.reconstruct_batch``."""
+        with self._lock:
+            return self.index.reconstruct_batch(rows)
 
     def __getattr__(self, name: str):
         return getattr(self.index, name)

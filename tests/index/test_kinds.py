@@ -107,7 +107,7 @@ def test_gpu_flat_search_equals_cpu():
     np.testing.assert_allclose(ds, dg, rtol=1e-4)
 
 
-def test_serialized_index_runs_one_search_at_a_time():
+def test_serialized_index_runs_one_call_at_a_time():
     import threading
     import time
 
@@ -119,17 +119,26 @@ def test_serialized_index_runs_one_search_at_a_time():
         def __init__(self):
             self.inside = self.most = 0
 
-        def search(self, x, k):
+        def _enter(self):
             self.inside += 1
             self.most = max(self.most, self.inside)
             time.sleep(0.01)
             self.inside -= 1
+
+        def search(self, x, k):
+            self._enter()
             return np.zeros((len(x), k), np.float32), np.zeros((len(x), k), np.int64)
+
+        def reconstruct_batch(self, rows):  # query expansion reads rows between searches
+            self._enter()
+            return np.zeros((len(rows), 4), np.float32)
 
     inner = Recording()
     index = SerializedIndex(inner)
     threads = [threading.Thread(target=index.search, args=(np.zeros((1, 4), np.float32), 3))
-               for _ in range(8)]
+               for _ in range(4)]
+    threads += [threading.Thread(target=index.reconstruct_batch, args=(np.arange(2),))
+                for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
