@@ -54,7 +54,12 @@ from training.allocator import tune_allocator
 from training.cdk.config import Config, make_config
 from training.cdk.data import scan
 from training.cdk.features import extract_features
-from training.cdk.metrics import retrieval_metrics, service_metrics, smoothed_metrics
+from training.cdk.metrics import (
+    retrieval_metrics,
+    service_metrics,
+    smoothed_metrics,
+    stored_gallery,
+)
 from training.cdk.model.backbones import Backbone, build_backbone, with_flip_average
 from training.cdk.model.heads import MODALITIES, Head, embedding, fit_raw_projections
 from training.cdk.model.smoothing import Expansion, Smoothing
@@ -387,9 +392,10 @@ def expansion_rows(cfg: Config, F: dict, name: str, set_name: str, parts: dict, 
     (the gallery smoothed as the preset smooths it)."""
     f, g, ql, gl = saved_embeddings(cfg, F, parts, heads)
     d = str(min(16, cfg.modes))
+    gallery = stored_gallery(g, Smoothing())  # once: the expansions do not change it
     rows = []
     for ex in EXPANSION_GRID:
-        m = service_metrics(f, g, ql, gl, cfg.k, Smoothing(), ex)
+        m = service_metrics(f, g, ql, gl, cfg.k, Smoothing(), ex, gallery)
         rows.append({"kernel": name, "set": set_name, "seed": seed, "n": ex.n,
                      "weight": ex.weight, "service_map": m["map_all"],
                      "service_p": m["precision_at_k"],

@@ -14,7 +14,7 @@ from .model.smoothing import Expansion, Smoothing, expand_exact, smooth
 
 __all__ = ["spectrum_order", "heldout_order", "retrieval_metrics", "structure_curves",
            "orthogonality_stats", "power_of_two_dims", "cosine_scores_metrics", "pca_curves",
-           "service_metrics", "smoothed_metrics"]
+           "service_metrics", "smoothed_metrics", "stored_gallery"]
 
 
 def spectrum_order(sv, top: int = 32) -> dict:
@@ -110,30 +110,39 @@ def structure_curves(f, g, q_labels, g_labels, k: int) -> dict:
     return {"most": most, "least": least}
 
 
-def smoothed_metrics(f, g, q_labels, g_labels, k: int, smoothing: Smoothing) -> dict | None:
+def smoothed_metrics(f, g, q_labels, g_labels, k: int, smoothing: Smoothing,
+                     gallery: torch.Tensor | None = None) -> dict | None:
     """Retrieval against the smoothed gallery (training.cdk.model.smoothing), as index.build
     stores it: {"config", "map_all", "precision_at_k", "k", "map_by_dims",
     "precision_by_dims"}. The gallery is smoothed once with all L modes (neighbours found
     in the full embedding) and the d-mode numbers score its d-dim prefixes: what a
     ``dims=d`` query of a full index sees, and what an index built with ``--dims d``
-    stores. None when ``smoothing`` is off."""
+    stores. None when ``smoothing`` is off. ``gallery``: g already smoothed by
+    ``smoothing`` (``stored_gallery``), when the caller has it."""
     if not smoothing.active:
         return None
+    gallery = stored_gallery(g, smoothing) if gallery is None else gallery
     return {"config": smoothing.as_dict(),
-            **_by_prefix(f, smooth(torch.as_tensor(g).float(), smoothing), q_labels,
-                         g_labels, k, Expansion(n=0))}
+            **_by_prefix(f, gallery, q_labels, g_labels, k, Expansion(n=0))}
 
 
 def service_metrics(f, g, q_labels, g_labels, k: int, smoothing: Smoothing,
-                    expansion: Expansion) -> dict:
+                    expansion: Expansion, gallery: torch.Tensor | None = None) -> dict:
     """What the service returns: queries f, expanded by ``expansion`` on each d-prefix
     (training.cdk.model.smoothing.expand_exact), against the gallery g as index.build stores
-    it (smoothed by ``smoothing``): {"smoothing", "expansion" (their configs, {} when off),
-    "map_all", "precision_at_k", "k", "map_by_dims", "precision_by_dims"}."""
-    gallery = smooth(torch.as_tensor(g).float(), smoothing)
+    it (smoothed by ``smoothing``; ``gallery``: that, when the caller has it): {"smoothing",
+    "expansion" (their configs, {} when off), "map_all", "precision_at_k", "k",
+    "map_by_dims", "precision_by_dims"}."""
+    gallery = stored_gallery(g, smoothing) if gallery is None else gallery
     return {"smoothing": smoothing.as_dict() if smoothing.active else {},
             "expansion": expansion.as_dict() if expansion.active else {},
             **_by_prefix(f, gallery, q_labels, g_labels, k, expansion)}
+
+
+def stored_gallery(g, smoothing: Smoothing) -> torch.Tensor:
+    """The photo embeddings g (N, width) as index.build stores them: float32, smoothed by
+    ``smoothing`` (unchanged when it is off)."""
+    return smooth(torch.as_tensor(g).float(), smoothing)
 
 
 def _by_prefix(f, g, q_labels, g_labels, k: int, expansion: Expansion) -> dict:

@@ -30,11 +30,12 @@ from .metrics import (
     service_metrics,
     smoothed_metrics,
     spectrum_order,
+    stored_gallery,
     structure_curves,
 )
 from .model.backbones import Backbone, build_backbone, with_flip_average
 from .model.heads import embedding
-from .model.smoothing import expand_exact, smooth
+from .model.smoothing import expand_exact
 from .plots import plot_gallery, plot_spectrum, plot_structure
 from .splits import split_classes
 from .train import TrainData, TrainResult, train
@@ -208,6 +209,7 @@ class Evaluation:
 
     f: torch.Tensor  # (Qs, width) test sketch embeddings, as retrieval uses them
     g: torch.Tensor  # (Np, width) test photo embeddings, as retrieval uses them
+    gallery: torch.Tensor  # g as index.build stores it (smoothed when the config smooths)
     full: dict  # retrieval metrics with the whole embedding
     curves: dict  # {"most", "least"}: d -> metrics (structure_curves)
     raw: dict  # cosine retrieval on the pretrained backbone's features
@@ -262,16 +264,17 @@ def evaluate(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, te: Datase
     if res.backbones is not None:  # the baseline is the pretrained backbone, not the tuned one
         te_s = _features(cfg, bbs["sketch"], te.sketches, "test sketches", device)
         te_p = _features(cfg, bbs["photo"], te.photos, "test photos", device)
+    gallery = stored_gallery(g, smoothing(cfg))  # smoothed once for both blocks below
     return Evaluation(
-        f=f, g=g,
+        f=f, g=g, gallery=gallery,
         full=retrieval_metrics(f, g, *labels, cfg.k),
         curves=curves,
         raw=cosine_scores_metrics(te_s, te_p, *labels, cfg.k),
         raw_pca=pca_curves(tr_s, tr_p, te_s, te_p, *labels, cfg.k, list(curves["most"])),
         orthogonality_test={"sketch": orthogonality_stats(fn), "photo": orthogonality_stats(gn)},
         orthogonality_train=_train_orthogonality(res, tr_s, tr_p, dev),
-        smoothed=smoothed_metrics(f, g, *labels, cfg.k, smoothing(cfg)),
-        service=service_metrics(f, g, *labels, cfg.k, smoothing(cfg), expansion(cfg)),
+        smoothed=smoothed_metrics(f, g, *labels, cfg.k, smoothing(cfg), gallery),
+        service=service_metrics(f, g, *labels, cfg.k, smoothing(cfg), expansion(cfg), gallery),
         learned=(retrieval_metrics(f[:, :L], g[:, :L], *labels, cfg.k)
                  if res.raw is not None else None),
     )
@@ -289,14 +292,16 @@ def evaluate_valid(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, va: 
     labels = (va.sketch_labels, va.photo_labels)
     L = cfg.modes
     most = structure_curves(f[:, :L], g[:, :L], *labels, cfg.k)["most"]
+    gallery = stored_gallery(g, smoothing(cfg))
     return {
         **retrieval_metrics(f, g, *labels, cfg.k),
         "learned": (retrieval_metrics(f[:, :L], g[:, :L], *labels, cfg.k)
                     if res.raw is not None else None),
         "map_by_dims": _by_dims(most, "map_all"),
         "precision_by_dims": _by_dims(most, "precision_at_k"),
-        "smoothed": smoothed_metrics(f, g, *labels, cfg.k, smoothing(cfg)),
-        "service": service_metrics(f, g, *labels, cfg.k, smoothing(cfg), expansion(cfg)),
+        "smoothed": smoothed_metrics(f, g, *labels, cfg.k, smoothing(cfg), gallery),
+        "service": service_metrics(f, g, *labels, cfg.k, smoothing(cfg), expansion(cfg),
+                                   gallery),
         "classes": list(va.classes),
         "counts": {"sketches": len(va.sketches), "photos": len(va.photos)},
     }
@@ -387,10 +392,9 @@ def write_plots(cfg: Config, te: Dataset, res: TrainResult, ev: Evaluation, out:
         trained = torch.empty_like(res.singular_values)
         trained[torch.as_tensor(perm)] = res.singular_values
     plot_spectrum(res.singular_values, out / "spectrum.png", res.singular_values_norm, trained)
-    # the photos as the service returns them: smoothed when the config smooths, each
-    # query expanded with its best photos when it expands
-    gallery = smooth(ev.g, smoothing(cfg))
-    queries = expand_exact(ev.f, gallery, expansion(cfg))
-    plot_gallery(queries.numpy(), gallery.numpy(), te.sketch_labels, te.photo_labels, te.sketches,
-                 te.photos, out / "gallery.png", cfg.gallery_queries, cfg.gallery_topk,
-                 cfg.seed)
+    # the photos as the service returns them: the stored gallery, each query expanded with
+    # its best photos when the config expands
+    queries = expand_exact(ev.f, ev.gallery, expansion(cfg))
+    plot_gallery(queries.numpy(), ev.gallery.numpy(), te.sketch_labels, te.photo_labels,
+                 te.sketches, te.photos, out / "gallery.png", cfg.gallery_queries,
+                 cfg.gallery_topk, cfg.seed)
