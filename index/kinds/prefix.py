@@ -213,10 +213,7 @@ class ScanPrefix(IvfCodes):
         return best, rows
 
     def reconstruct(self, index: faiss.Index, start: int, count: int) -> np.ndarray:
-        fine, lead, tail = parts(index)[1:]
-        rotated = tail.reconstruct_n(start, count)
-        return np.concatenate([fine.reconstruct_n(start, count), lead.reconstruct_n(start, count),
-                               _rotation(index).reverse_transform(rotated)], 1)
+        return self.vectors(index, np.arange(start, start + count))
 
     def vectors(self, index: faiss.Index, rows: np.ndarray) -> np.ndarray:
         fine, lead, tail = parts(index)[1:]
