@@ -27,13 +27,17 @@ against all L, both against the smoothed gallery). Held-out sets: split 2's vali
 classes and the 5 class folds of its non-test classes (training.cdk.splits.class_folds);
 no test-class image is read. "service" here is the smoothed gallery without query
 expansion; `--expansion-grid` scores the saved heads with each query expansion of
-EXPANSION_GRID (training.cdk.model.smoothing.Expansion) without training again.
+EXPANSION_GRID (training.cdk.model.smoothing.Expansion) without training again, and
+`--raw-grid` with each raw-coordinate whitening and weight of RAW_GRID (queries expanded
+as the preset expands them).
 
     python -m benchmarks.cdk_kernel_bench --data ../shared/data/sketchy-mini \\
         --kernels class "instance 0.3" --out runs/cdk-kernels --threads 1
     python -m benchmarks.cdk_kernel_bench --out runs/cdk-kernels --report
     python -m benchmarks.cdk_kernel_bench --data ../shared/data/sketchy-mini \\
         --kernels "instance 0.5" --seeds 0 1 --out runs/cdk-kernels --expansion-grid
+    python -m benchmarks.cdk_kernel_bench --data ../shared/data/sketchy-mini \\
+        --kernels "instance 0.5" --seeds 0 1 --out runs/cdk-kernels --raw-grid
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ import torch
 
 from benchmarks.cdk_levers_bench import folds_of, similar_class_mixing
 from training.allocator import tune_allocator
-from training.cdk.config import Config, make_config
+from training.cdk.config import Config, expansion, make_config, smoothing
 from training.cdk.data import scan
 from training.cdk.features import extract_features
 from training.cdk.metrics import (
@@ -376,7 +380,8 @@ def saved_embeddings(cfg: Config, F: dict, parts: dict, heads: dict) -> tuple:
     coordinates' projection fitted again on the training rows: it is deterministic)."""
     (ts, tp), (vs, vp) = held_out_masks(F, parts)
     S, P = torch.as_tensor(F["sketch"]), torch.as_tensor(F["photo"])
-    raw = (fit_raw_projections(S[ts], P[tp], cfg.raw_dims, cfg.raw_weight) if cfg.raw_dims
+    raw = (fit_raw_projections(S[ts], P[tp], cfg.raw_dims, cfg.raw_weight,
+                               cfg.raw_whiten) if cfg.raw_dims
            else {m: None for m in MODALITIES})
     out = []
     for m, x in (("sketch", S[vs]), ("photo", P[vp])):
@@ -403,24 +408,50 @@ def expansion_rows(cfg: Config, F: dict, name: str, set_name: str, parts: dict, 
     return rows
 
 
-def expansion_report(rows: list[dict]) -> str:
-    """Markdown table per kernel and expansion: the folds' mean service mAP, P@k and d = 16
-    share (min over folds), the mean paired difference from no expansion on the same fold
-    and seed and how many runs it is ahead on, and the validation classes' mean."""
-    base = {(r["kernel"], r["set"], r["seed"]): r for r in rows if r["n"] == 0}
-    lines = ["| kernel | n | weight | folds: service mAP | P@k | paired vs none | ahead | "
-             "d = 16 share (min) | valid: service mAP |", "|---" * 9 + "|"]
-    for key in dict.fromkeys((r["kernel"], r["n"], r["weight"]) for r in rows):
-        rs = [r for r in rows if (r["kernel"], r["n"], r["weight"]) == key]
+RAW_GRID = [(p, w) for p in (0.0, 0.25, 0.5, 0.75) for w in (1.0, 1.5, 2.0, 3.0)]
+
+
+def raw_rows(cfg: Config, F: dict, name: str, set_name: str, parts: dict, seed: int,
+             heads: dict) -> list[dict]:
+    """The service's numbers of one saved run for every raw-coordinate whitening and weight
+    of RAW_GRID (the preset's smoothing and query expansion; the heads do not depend on
+    either, so they are not trained again)."""
+    rows = []
+    for whiten, weight in RAW_GRID:
+        c = dataclasses.replace(cfg, raw_whiten=whiten, raw_weight=weight)
+        f, g, ql, gl = saved_embeddings(c, F, parts, heads)
+        m = service_metrics(f, g, ql, gl, cfg.k, smoothing(cfg), expansion(cfg))
+        rows.append({"kernel": name, "set": set_name, "seed": seed, "whiten": whiten,
+                     "weight": weight, "service_map": m["map_all"],
+                     "service_p": m["precision_at_k"],
+                     "d16_share": m["map_by_dims"][str(min(16, cfg.modes))]
+                     / m["map_by_dims"][str(cfg.modes)]})
+    return rows
+
+
+def grid_report(rows: list[dict], knobs: tuple[str, str], base: tuple) -> str:
+    """Markdown table per kernel and setting of the two ``knobs``: the folds' mean service
+    mAP, P@k and d = 16 share (min over folds), the mean paired difference from the
+    setting ``base`` on the same fold and seed and how many runs it is ahead on, and the
+    validation classes' mean."""
+    def setting(r):
+        return tuple(r[k] for k in knobs)
+
+    ref = {(r["kernel"], r["set"], r["seed"]): r for r in rows if setting(r) == base}
+    lines = [f"| kernel | {knobs[0]} | {knobs[1]} | folds: service mAP | P@k | paired vs "
+             f"{base[0]}, {base[1]} | ahead | d = 16 share (min) | valid: service mAP |",
+             "|---" * 9 + "|"]
+    for key in dict.fromkeys((r["kernel"], *setting(r)) for r in rows):
+        rs = [r for r in rows if (r["kernel"], *setting(r)) == key]
         folds = [r for r in rs if r["set"] != "valid"]
         valid = [r["service_map"] for r in rs if r["set"] == "valid"]
-        diffs = [r["service_map"] - base[r["kernel"], r["set"], r["seed"]]["service_map"]
+        diffs = [r["service_map"] - ref[r["kernel"], r["set"], r["seed"]]["service_map"]
                  for r in folds]
         if not folds:
             continue
         valid_cell = f"{np.mean(valid):.3f}" if valid else "-"
         lines.append(
-            f"| {key[0]} | {key[1]} | {key[2] if key[1] else '-'} | "
+            f"| {key[0]} | {key[1]} | {key[2]} | "
             f"{np.mean([r['service_map'] for r in folds]):.3f} | "
             f"{np.mean([r['service_p'] for r in folds]):.3f} | {np.mean(diffs):+.4f} | "
             f"{sum(x > 0 for x in diffs)}/{len(diffs)} | "
@@ -514,6 +545,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="score the saved heads (OUT/heads) of --kernels and --seeds with every "
                          "query expansion of EXPANSION_GRID, to OUT/expansion.jsonl, and print "
                          "the table (no training)")
+    ap.add_argument("--raw-grid", action="store_true",
+                    help="score the saved heads (OUT/heads) of --kernels and --seeds with every "
+                         "raw-coordinate whitening and weight of RAW_GRID, to OUT/raw.jsonl, "
+                         "and print the table (no training)")
     ap.add_argument("--report", action="store_true",
                     help="print the table of OUT/results.jsonl and exit")
     args = ap.parse_args(argv)
@@ -548,12 +583,16 @@ def main(argv: list[str] | None = None) -> int:
     if any("semantic" in KERNELS[k] for k in args.kernels):
         names = [c for c in F["classes"]]  # the non-test classes; each run takes its own
         emb = dict(zip(names, text_embeddings(names, out / "text_embeddings.pt"), strict=True))
-    if args.expansion_grid:
+    for flag, rows_of, file, knobs, base in (
+            (args.expansion_grid, expansion_rows, "expansion.jsonl", ("n", "weight"), (0, 0.25)),
+            (args.raw_grid, raw_rows, "raw.jsonl", ("whiten", "weight"), (0.0, 1.0))):
+        if not flag:
+            continue
         rows = [row for name in args.kernels for set_name, parts in held for seed in args.seeds
-                for row in expansion_rows(cfg, F, name, set_name, parts, seed, torch.load(
+                for row in rows_of(cfg, F, name, set_name, parts, seed, torch.load(
                     out / "heads" / f"{name}-{set_name}-{seed}.pt"))]
-        (out / "expansion.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        print(expansion_report(rows))
+        (out / file).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(grid_report(rows, knobs, base))
         return 0
     for name in args.kernels:
         for set_name, parts in held:

@@ -336,6 +336,17 @@ def test_kernel_bench_runs_end_to_end_on_tiny_data(tmp_path, capsys):
         assert g["d16_share"] == pytest.approx(own[g["set"]]["d16_share"], abs=1e-6)
     assert len(grid) == 3 * 21 and all(0 < g["service_map"] <= 1 for g in grid)
     assert "| class | 5 | 0.5 |" in capsys.readouterr().out
+    # the raw-coordinate grid: at the preset's whitening and weight it gives back the
+    # expansion grid's numbers at the preset's expansion
+    assert main([*args, "--kernels", "class", "--raw-grid"]) == 0
+    raw = [json.loads(x) for x in (out / "raw.jsonl").read_text().splitlines()]
+    assert len(raw) == 3 * 16
+    at_preset = {g["set"]: g for g in grid if (g["n"], g["weight"]) == (5, 0.5)}
+    for r in raw:
+        if (r["whiten"], r["weight"]) == (0.5, 2.0):
+            assert r["service_map"] == pytest.approx(at_preset[r["set"]]["service_map"],
+                                                     abs=1e-6)
+    assert "| class | 0.5 | 2.0 |" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")

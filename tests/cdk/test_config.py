@@ -144,6 +144,9 @@ def test_from_dict_round_trips_and_refuses_configs_of_other_code():
     default = make_config()
     earlier = {k: v for k, v in to_dict(default).items() if k != "instance_share"}
     assert from_dict(earlier).instance_share == 0.0 and default.instance_share == 0.5
+    # a checkpoint from before whitening stored plain principal axes
+    earlier = {k: v for k, v in to_dict(default).items() if k != "raw_whiten"}
+    assert from_dict(earlier).raw_whiten == 0.0 and default.raw_whiten == 0.5
     # query expansion trains nothing: a checkpoint from before it gets today's
     earlier = {k: v for k, v in to_dict(default).items() if not k.startswith("expand_")}
     assert (from_dict(earlier).expand_n, from_dict(earlier).expand_weight) == (5, 0.5)
@@ -177,7 +180,7 @@ def test_unit_embeddings_values():
 
 
 def test_raw_coordinates_values():
-    assert Config().raw_dims == 256 and Config().raw_weight == 1.0
+    assert (Config().raw_dims, Config().raw_weight, Config().raw_whiten) == (256, 2.0, 0.5)
     assert make_config("paper").raw_dims == 0
     with pytest.raises(ValueError, match="needs --unit-embeddings true"):
         make_config(unit_embeddings=False)
@@ -187,6 +190,9 @@ def test_raw_coordinates_values():
         make_config(raw_weight=0.0)
     with pytest.raises(ValueError, match="raw_dims must be >= 0"):
         make_config(raw_dims=-1)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="raw_whiten must be in"):
+            make_config(raw_whiten=bad)
 
 
 def test_query_expansion_values():

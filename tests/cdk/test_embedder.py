@@ -293,6 +293,42 @@ def test_fit_raw_projections_against_numpy_pca():
         fit_raw_projections(torch.tensor(s), torch.tensor(p), 7, 1.0)
 
 
+@pytest.mark.parametrize("whiten", [0.5, 1.0])
+def test_fit_raw_projections_whitening_against_numpy(whiten):
+    """Each coordinate divided by its standard deviation**whiten: the reference is numpy's
+    SVD of the centred rows (standard deviation s_k / sqrt(n)); full whitening gives
+    coordinates of unit variance over the training rows."""
+    from training.cdk.model.heads import fit_raw_projections
+
+    rng = np.random.default_rng(1)
+    s = rng.normal(size=(50, 6)) @ rng.normal(size=(6, 6)) + 2.0
+    p = rng.normal(size=(40, 6)) @ rng.normal(size=(6, 6))
+    proj = fit_raw_projections(torch.tensor(s), torch.tensor(p), 4, 1.0, whiten)
+    X = np.concatenate([s - s.mean(0), p - p.mean(0)])
+    _, sv, vt = np.linalg.svd(X, full_matrices=False)
+    ref = (X @ vt[:4].T) / (sv[:4] / np.sqrt(len(X))) ** whiten  # (90, 4)
+    got = np.concatenate([(torch.tensor(x) - proj[m].mean.double()).numpy()
+                          @ proj[m].axes.double().numpy()
+                          for m, x in (("sketch", s), ("photo", p))])
+    np.testing.assert_allclose(np.abs(got), np.abs(ref), rtol=1e-4, atol=1e-5)  # up to sign
+    if whiten == 1.0:
+        np.testing.assert_allclose((got**2).mean(0), 1.0, rtol=1e-4)
+    with pytest.raises(ValueError, match="raw_whiten must be in"):
+        fit_raw_projections(torch.tensor(s), torch.tensor(p), 3, 1.0, 1.5)
+
+
+def test_fit_raw_projections_whitening_keeps_null_axes_null():
+    """Rank-deficient features: an axis of zero variance is not blown up into noise."""
+    from training.cdk.model.heads import fit_raw_projections
+
+    rng = np.random.default_rng(2)
+    basis = rng.normal(size=(2, 5))
+    s, p = rng.normal(size=(20, 2)) @ basis, rng.normal(size=(20, 2)) @ basis
+    proj = fit_raw_projections(torch.tensor(s), torch.tensor(p), 4, 1.0, 1.0)
+    z = (torch.tensor(s) - proj["sketch"].mean.double()) @ proj["sketch"].axes.double()
+    assert z[:, :2].abs().max() > 0.5 and z[:, 2:].abs().max() < 1e-3
+
+
 def test_fit_raw_projections_falls_back_to_svd_when_eigh_fails(monkeypatch):
     """LAPACK's eigh may not converge on a low-rank moment matrix; the SVD gives the same
     principal axes (compared as projectors with eigh's own, taken before it is broken)."""

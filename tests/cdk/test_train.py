@@ -165,9 +165,11 @@ def test_training_fits_and_stores_the_raw_projection(tmp_path):
     from training.cdk.model.heads import fit_raw_projections
 
     data = synthetic_data()
-    res = train_mod.train(_cfg(tmp_path, raw_dims=3, raw_weight=0.5), data,
+    res = train_mod.train(_cfg(tmp_path, raw_dims=3, raw_weight=0.5, raw_whiten=0.75), data,
                           synthetic_backbone(), tmp_path)
-    want = fit_raw_projections(data.sketch_feats, data.photo_feats, 3, 0.5)
+    want = fit_raw_projections(data.sketch_feats, data.photo_feats, 3, 0.5, 0.75)
+    plain = fit_raw_projections(data.sketch_feats, data.photo_feats, 3, 0.5, 0.0)
+    assert not torch.allclose(want["sketch"].axes, plain["sketch"].axes)  # whitened
     ck = load_checkpoint(tmp_path / "checkpoint.pt")
     for m in ("sketch", "photo"):
         torch.testing.assert_close(res.raw[m].mean, want[m].mean)

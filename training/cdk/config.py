@@ -95,11 +95,15 @@ class Config:
     unit_embeddings: bool = True
     # raw_dims coordinates appended after the learned modes: the backbone features centred
     # per modality and projected on their top raw_dims principal axes (fit on the training
-    # features of both), scaled to length sqrt(raw_weight). The full score becomes the
-    # learned cosine + raw_weight x the cosine of the centred features; d-prefixes with
-    # d <= modes stay the learned modes alone. 0: none. Frozen backbones only
+    # features of both), each axis divided by its standard deviation to the power
+    # raw_whiten (0: plain PCA, 1: full whitening), scaled to length sqrt(raw_weight). The
+    # full score becomes the learned cosine + raw_weight x the cosine of the projected
+    # features; d-prefixes with d <= modes stay the learned modes alone. 0: none. Frozen
+    # backbones only. Whitening 0.5 with weight 2 chosen on the class folds and validation
+    # classes (docs/retrieval-training.md)
     raw_dims: int = 256
-    raw_weight: float = 1.0
+    raw_weight: float = 2.0
+    raw_whiten: float = 0.5
     # after training, both heads' coordinates reordered by decreasing estimated singular
     # value (the CDK's Rayleigh quotients on the training set), so coordinate l is the mode
     # with the l-th largest; metrics.json keeps the order as trained and a held-out check
@@ -269,6 +273,8 @@ def _check_numbers(cfg: Config) -> None:
         raise ValueError(f"batch_size must be >= 2 (the CDK estimator), got {cfg.batch_size}")
     if not 0.0 <= cfg.instance_share <= 1.0:
         raise ValueError(f"instance_share must be in [0, 1], got {cfg.instance_share!r}")
+    if not 0.0 <= cfg.raw_whiten <= 1.0:
+        raise ValueError(f"raw_whiten must be in [0, 1], got {cfg.raw_whiten!r}")
     if not 0.0 <= cfg.input_dropout < 1.0:
         raise ValueError(f"input_dropout must be in [0, 1), got {cfg.input_dropout!r}")
     for name in ("lr", "mu", "raw_weight"):
@@ -329,6 +335,7 @@ def to_dict(cfg: Config) -> dict:
 # Fields added after checkpoints were written without them: the value those were trained with.
 # Query expansion changes no trained weight (a runtime field): older models get today's.
 ADDED_LATER = {"instance_share": 0.0,  # the class kernel alone
+               "raw_whiten": 0.0,  # plain PCA
                "expand_n": Config.expand_n, "expand_weight": Config.expand_weight}
 
 

@@ -230,7 +230,7 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
                         cfg.trainable_stages).to(device)
     # the raw coordinates' projections: fit once on the (plain) training features
     raw = (fit_raw_projections(data.sketch_feats, data.photo_feats, cfg.raw_dims,
-                               cfg.raw_weight) if cfg.raw_dims else None)
+                               cfg.raw_weight, cfg.raw_whiten) if cfg.raw_dims else None)
     sampler = sampler or PairSampler(data.sketch_labels, data.photo_labels, cfg.pairing,
                                      data.photo_of, cfg.instance_share)
     opt, sched = make_optimiser(model, cfg.lr, cfg.backbone_lr, cfg.momentum, cfg.weight_decay,

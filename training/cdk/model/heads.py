@@ -79,9 +79,10 @@ class Head(nn.Module):
 
 class RawProjection(nn.Module):
     """(N, D) backbone features -> (N, p): the features centred by their modality's training
-    mean, projected on p principal axes shared by both modalities, scaled to length
-    sqrt(weight). Appended to the unit-length learned embedding, it adds weight x the
-    cosine of the centred features to the score (``--raw-dims``, ``--raw-weight``)."""
+    mean, projected on p principal axes shared by both modalities (``axes``: (D, p), each
+    column possibly scaled, see fit_raw_projections), scaled to length sqrt(weight).
+    Appended to the unit-length learned embedding, it adds weight x the cosine of the
+    projected features to the score (``--raw-dims``, ``--raw-weight``, ``--raw-whiten``)."""
 
     def __init__(self, mean: torch.Tensor, axes: torch.Tensor, weight: float):
         super().__init__()
@@ -104,11 +105,14 @@ class RawProjection(nn.Module):
 
 
 def fit_raw_projections(sketch_feats: torch.Tensor, photo_feats: torch.Tensor, dims: int,
-                        weight: float) -> dict[str, RawProjection]:
+                        weight: float, whiten: float = 0.0) -> dict[str, RawProjection]:
     """One RawProjection per modality from training features (N_s, D) and (N_p, D): each
     modality centred by its own mean (the modalities' offset is removed), and the top
     ``dims`` principal axes of the centred rows of both together (eigenvectors of their
-    second-moment matrix, in float64, by decreasing eigenvalue)."""
+    second-moment matrix, in float64, by decreasing eigenvalue). ``whiten`` p in [0, 1]:
+    each coordinate divided by its standard deviation over those rows to the power p (0:
+    plain projection; 1: full PCA whitening; between: shrunk whitening, which lifts the
+    weaker axes without letting the noisiest ones dominate the cosine)."""
     D = sketch_feats.shape[1]
     if photo_feats.shape[1] != D:
         raise ValueError(f"sketch and photo features differ in width: {D}, "
@@ -116,20 +120,29 @@ def fit_raw_projections(sketch_feats: torch.Tensor, photo_feats: torch.Tensor, d
     if not 1 <= dims <= D:
         raise ValueError(f"raw_dims must be in [1, {D}] (the backbone's feature width), "
                          f"got {dims}")
+    if not 0.0 <= whiten <= 1.0:
+        raise ValueError(f"raw_whiten must be in [0, 1], got {whiten!r}")
     means = {"sketch": sketch_feats.double().mean(0), "photo": photo_feats.double().mean(0)}
     second = torch.zeros(D, D, dtype=torch.float64)
     for x, m in ((sketch_feats, means["sketch"]), (photo_feats, means["photo"])):
         for i in range(0, len(x), 8192):
             c = x[i : i + 8192].double() - m
             second += c.T @ c
+    second /= len(sketch_feats) + len(photo_feats)
     try:
-        _, vecs = torch.linalg.eigh(second)  # ascending
-        axes = vecs[:, -dims:].flip(1)  # (D, dims), the largest first
+        vals, vecs = torch.linalg.eigh(second)  # ascending
+        axes, vals = vecs[:, -dims:].flip(1), vals[-dims:].flip(0)  # the largest first
     except torch.linalg.LinAlgError:
         # LAPACK's eigh can fail to converge on a matrix of low rank (fewer rows than D,
         # many equal zero eigenvalues); the SVD of a symmetric PSD matrix gives the same
         # axes, largest first.
-        axes = torch.linalg.svd(second)[0][:, :dims]
+        vecs, vals, _ = torch.linalg.svd(second)
+        axes, vals = vecs[:, :dims], vals[:dims]
+    if whiten:
+        # variances floored relative to the largest: an axis of (near) zero variance keeps
+        # (near) zero coordinates instead of amplified rounding noise
+        var = vals.clamp_min(float(vals[0]) * 1e-6).clamp_min(1e-30)
+        axes = axes / var ** (whiten / 2)
     return {m: RawProjection(means[m], axes, weight) for m in MODALITIES}
 
 
