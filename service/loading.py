@@ -81,4 +81,4 @@ def load_engine(settings: Settings) -> RetrievalEngine:
     return RetrievalEngine(embedder, gallery, settings.max_pixels, settings.photos_dir,
                            checkpoint, decode_side=2 * embedder.image_size,
                            embed_batch=settings.embed_batch, encoder=encoder, version=version,
-                           expansion=expand)
+                           expansion=expand, expand_rescore=settings.expand_rescore)

@@ -81,7 +81,8 @@ class InfoOut(BaseModel):
     precision: str  # its arithmetic: fp32 or int8
     mirror_queries: bool  # each sketch averaged with its mirror image (two backbone passes)
     gallery_smoothing: dict  # the index's smoothing of photos ({k, weight, rounds}; {}: none)
-    query_expansion: dict  # each query expanded with its best photos ({n, weight}; {}: none)
+    # each query expanded with its best photos ({n, weight, rescore}; {}: none)
+    query_expansion: dict
     width: int  # the embeddings' width: the learned modes, then the raw coordinates
     modes: int  # the learned singular functions: dims <= modes queries use them alone
     raw_dims: int  # centred backbone-feature coordinates after the modes (0: none)

@@ -444,8 +444,10 @@ def test_scale_bench_smoke(tmp_path):
     for r in results:
         assert {row["d"] for row in r["rows"]} == {16, 24}
         assert all(0.5 <= row["recall"] <= 1 for row in r["rows"]), r
-        # served: an expansion's search and vectors, then the search itself
+        # served: a search of 100 and their vectors re-scored; its top 10 as a second full
+        # search's on these class-clustered vectors
         assert all(row["p50_served_ms"] > row["p50_ms"] > 0 for row in r["rows"]), r
+        assert all(0.9 <= row["served_same"] <= 1 for row in r["rows"]), r
     assert next(r for r in results if r["kind"] == "ivfsq48:coarse=4")["params"]["coarse"] == 4
     assert (tmp_path / "table.md").read_text().count("| 2,000 |") == 2 + 2 * 2  # rows of d
     assert (tmp_path / "scale.png").stat().st_size > 0

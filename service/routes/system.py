@@ -32,7 +32,8 @@ def info(engine: EngineDep, settings: SettingsDep) -> InfoOut:
         precision=engine.encoder.precision,
         mirror_queries=engine.embedder.sketch_flip_average,
         gallery_smoothing=side.smoothing,
-        query_expansion=engine.expansion.as_dict() if engine.expansion.active else {},
+        query_expansion=({**engine.expansion.as_dict(), "rescore": engine.expand_rescore}
+                         if engine.expansion.active else {}),
         width=engine.embedder.width,
         modes=engine.embedder.modes,
         raw_dims=engine.embedder.raw_dims,

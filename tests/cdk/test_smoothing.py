@@ -12,6 +12,7 @@ from training.cdk.model.smoothing import (
     Smoothing,
     exact_neighbours,
     expand_exact,
+    expanded_search,
     smooth,
 )
 
@@ -138,6 +139,53 @@ def test_expansion_matches_the_rule_written_out():
     # n beyond the gallery: all of it
     torch.testing.assert_close(expand_exact(f, g[:2], Expansion(n=10, weight=1.0)),
                                f + g[:2].mean(0))
+
+
+def _brute_search(g: np.ndarray):
+    """search(queries, k) by exact inner product over g (ties by row), as GalleryIndex's."""
+    def search(q, k):
+        s = q @ g[:, : q.shape[1]].T
+        rows = np.argsort(-s, axis=1, kind="stable")[:, : min(k, len(g))]
+        return np.take_along_axis(s, rows, 1).astype(np.float32), rows.astype(np.int64)
+    return search
+
+
+def test_expanded_search_against_brute_force():
+    """The service's search: rescore 0 is the expanded query's full search; rescore > 0
+    is the expanded query's top k among the first search's best K = max(100, rescore x k),
+    which is the full search's top k when K covers the gallery, and on a large clustered
+    gallery agrees with it on the top 10."""
+    rng = np.random.default_rng(3)
+    centres = rng.normal(size=(40, 12)) * 2
+    g = (centres[rng.integers(0, 40, 4000)] + rng.normal(size=(4000, 12))).astype(np.float32)
+    q = (centres[rng.integers(0, 40, 30)] + 2 * rng.normal(size=(30, 12))).astype(np.float32)
+    search, vectors, cfg = _brute_search(g), (lambda rows: g[rows]), Expansion(n=5, weight=0.5)
+    d = 8
+    qd = np.ascontiguousarray(q[:, :d])
+    first = np.argsort(-(qd @ g[:, :d].T), axis=1, kind="stable")
+    expanded = qd + 0.5 * g[first[:, :5], :d].mean(1)
+    full_scores = expanded @ g[:, :d].T  # (30, 4000)
+    full = np.argsort(-full_scores, axis=1, kind="stable")
+    s0, r0 = expanded_search(qd, 10, search, vectors, cfg, rescore=0)
+    np.testing.assert_array_equal(r0, full[:, :10])
+    np.testing.assert_allclose(s0, np.take_along_axis(full_scores, full[:, :10], 1), rtol=1e-5)
+    s, r = expanded_search(qd, 10, search, vectors, cfg, rescore=10)  # K = 100
+    for i in range(len(q)):
+        cand = first[i, :100]
+        want = cand[np.argsort(-full_scores[i, cand], kind="stable")[:10]]
+        np.testing.assert_array_equal(r[i], want)
+        np.testing.assert_allclose(s[i], full_scores[i, want], rtol=1e-5, atol=1e-5)
+    overlap = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(r, full[:, :10], strict=True)])
+    assert overlap >= 0.95, overlap
+    small = g[:80]  # K >= the gallery: the full search exactly
+    _, rs = expanded_search(qd, 7, _brute_search(small), lambda rows: small[rows], cfg)
+    want = np.argsort(-((qd + 0.5 * small[np.argsort(-(qd @ small[:, :d].T), axis=1,
+                                                     kind="stable")[:, :5], :d].mean(1))
+                         @ small[:, :d].T), axis=1, kind="stable")[:, :7]
+    np.testing.assert_array_equal(rs, want)
+    # off: the plain search
+    np.testing.assert_array_equal(expanded_search(qd, 4, search, vectors, Expansion(n=0))[1],
+                                  first[:, :4])
 
 
 @pytest.mark.parametrize("bad", [{"n": -1}, {"n": 2.5}, {"weight": -0.1}])

@@ -102,7 +102,8 @@ def test_expanded_queries_match_brute_force(settings, engine, d):
                                                   for i in order[:6]]
     np.testing.assert_allclose([h["score"] for h in body["results"]], scores[order[:6]],
                                rtol=1e-5, atol=1e-6)
-    assert client.get("/info").json()["query_expansion"] == {"n": 3, "weight": 0.5}
+    assert client.get("/info").json()["query_expansion"] == {"n": 3, "weight": 0.5,
+                                                                "rescore": 10}
 
 
 def test_defaults_and_timing_header(client):

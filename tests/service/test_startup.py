@@ -49,7 +49,7 @@ def test_startup_loads_the_real_engine(real_index, small_sketches):
         assert r.status_code == 200 and len(r.json()["results"]) == 15
         info = client.get("/info").json()
         assert info["model"] == "checkpoint.pt"
-        assert info["query_expansion"] == {"n": 5, "weight": 0.5}  # the checkpoint's
+        assert info["query_expansion"] == {"n": 5, "weight": 0.5, "rescore": 10}  # the checkpoint's
 
 
 def test_expand_n_setting_overrides_the_checkpoint(real_index, small_sketches):
@@ -62,7 +62,7 @@ def test_expand_n_setting_overrides_the_checkpoint(real_index, small_sketches):
             r = client.post("/retrieve", params={"dims": 8, "k": 5},
                             files={"file": ("q.png", small_sketches[0], "image/png")})
             scores[n] = [h["score"] for h in r.json()["results"]]
-            want = {} if n == 0 else {"n": 5, "weight": 0.5}
+            want = {} if n == 0 else {"n": 5, "weight": 0.5, "rescore": 10}
             assert client.get("/info").json()["query_expansion"] == want
             if n == 0:
                 engine = client.app.state.engine

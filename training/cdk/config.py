@@ -116,7 +116,7 @@ class Config:
     smooth_weight: float = 4.0
     smooth_rounds: int = 2
     # query expansion (model.smoothing): the service moves each query toward the mean of
-    # its expand_n best photos, weighted expand_weight, and searches again. Evaluation
+    # its expand_n best photos, weighted expand_weight, and ranks again. Evaluation
     # reports it as "service". 0 turns it off
     expand_n: int = 5
     expand_weight: float = 0.5
