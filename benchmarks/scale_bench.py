@@ -19,9 +19,9 @@
    blocks as the sharded build does (`Kind.build`), written, opened memory-mapped as the
    service opens it (`index.store.SERVE_IO_FLAGS`), then recall@10 against the exact top-10
    and the latency of one query at a time (one thread, after a warm-up pass) per d and
-   nprobe, and of one query as `/retrieve` serves it (expanded with its best photos, which
-   re-scores the first search's best 100: training.cdk.model.smoothing.expanded_search),
-   with the share of its top 10 that a second full search would return. "flat" is exact: recall 1,
+   nprobe, and of one query as `/retrieve` serves it (expanded with its best photos and
+   its pool of candidates re-scored: training.cdk.model.smoothing.expanded_search), with
+   the share of its top 10 that a second full search would return. "flat" is exact: recall 1,
    its latency measured where its vectors fit in memory (`--flat-max`). A kind can be given
    parameters: `ivfsq48:coarse=16,lead=64`.
 
@@ -259,11 +259,13 @@ def measure(kind, index, q: np.ndarray, folder: Path, args) -> list[dict]:
 
 def served_search(kind, index, q: np.ndarray, rescore: int = 10):
     """What `/retrieve` does with a query: expanded with its best photos (the default
-    Expansion and the service's default re-scoring; 0: a second full search), its top K."""
+    Expansion), its pool of candidates re-scored (the service's default; 0: a second full
+    search instead), its top K."""
     from training.cdk.model.smoothing import Expansion, expanded_search
 
     return expanded_search(q, K, lambda x, n: kind.search(index, x, n),
-                           lambda rows: kind.vectors(index, rows), Expansion(), rescore)
+                           lambda rows, d: kind.vectors(index, rows, d), Expansion(), rescore,
+                           lambda x, n: kind.candidates(index, x, n))
 
 
 def table(results: list[dict], nprobe: int) -> str:

@@ -188,10 +188,16 @@ class GalleryIndex:
             raise ValueError(f"query has {queries.shape[1]} dims; the index stores {self.dims}")
         return self.kind.search(self.index, queries, min(k, len(self)))
 
-    def vectors(self, rows: np.ndarray) -> np.ndarray:
+    def vectors(self, rows: np.ndarray, dims: int | None = None) -> np.ndarray:
         """The stored vectors of `rows` (M,), as the index scores them (decoded for code
-        kinds): (M, dims)."""
-        return self.kind.vectors(self.index, np.asarray(rows, dtype=np.int64))
+        kinds): (M, D), D >= `dims` (None: all stored dims)."""
+        return self.kind.vectors(self.index, np.asarray(rows, dtype=np.int64), dims)
+
+    def candidates(self, queries: np.ndarray, count: int) -> np.ndarray:
+        """(N, count') rows worth re-scoring for queries near `queries` (N, d), at least
+        `count` where the gallery holds them (Kind.candidates; query expansion)."""
+        queries = np.ascontiguousarray(queries, dtype=np.float32)
+        return self.kind.candidates(self.index, queries, min(count, len(self)))
 
     def photo_path(self, photo: Photo, photos_root: Path | None = None) -> Path:
         """Absolute path of a photo; `photos_root` overrides the root recorded at build."""

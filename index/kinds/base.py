@@ -97,14 +97,23 @@ class Kind(abc.ABC):
         row_map(index)
         return index.reconstruct_n(start, count)
 
-    def vectors(self, index: faiss.Index, rows: np.ndarray) -> np.ndarray:
-        """The stored vectors of `rows` (M,), in that order: (M, dims), decoded for code
-        kinds (what the index scores them by). Row by row through the row map: an IVF
-        index's `reconstruct_n` walks every list, whatever the count."""
+    def vectors(self, index: faiss.Index, rows: np.ndarray, dims: int | None = None
+                ) -> np.ndarray:
+        """The stored vectors of `rows` (M,), in that order: (M, D), decoded for code kinds
+        (what the index scores them by); D >= `dims` (None: all stored dims; a kind that
+        decodes by parts may stop after the first `dims`). Row by row through the row map:
+        an IVF index's `reconstruct_n` walks every list, whatever the count."""
         if len(rows) == 0:
             return np.zeros((0, index.d), dtype=np.float32)
         row_map(index)
         return index.reconstruct_batch(np.asarray(rows, dtype=np.int64))
+
+    def candidates(self, index: faiss.Index, queries: np.ndarray, count: int) -> np.ndarray:
+        """(N, count') rows (-1: none) among which a query near each of `queries` (N, d)
+        finds its best photos, for re-scoring by their `vectors` (the service's query
+        expansion: training.cdk.model.smoothing.expanded_search): here the kind's own top
+        `count`. A kind whose search costs grow with k gives the rows it already has."""
+        return self.search(index, queries, count)[1]
 
 
 _ROW_MAP_LOCK = threading.Lock()

@@ -127,7 +127,8 @@ class MixedCodes(IvfCodes):
         ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
         return _fold(index, ivf, ivf.reconstruct_n(start, count))
 
-    def vectors(self, index: faiss.Index, rows: np.ndarray) -> np.ndarray:
+    def vectors(self, index: faiss.Index, rows: np.ndarray, dims: int | None = None
+                ) -> np.ndarray:
         row_map(index)
         ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
         return _fold(index, ivf, ivf.reconstruct_batch(np.asarray(rows, dtype=np.int64)))

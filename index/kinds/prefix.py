@@ -182,14 +182,11 @@ class ScanPrefix(IvfCodes):
 
     def search(self, index: faiss.Index, queries: np.ndarray, k: int
                ) -> tuple[np.ndarray, np.ndarray]:
-        scanned, *rest = parts(index)
+        rest = parts(index)[1:]
         q = np.ascontiguousarray(queries, dtype=np.float32)
         n, d = q.shape
-        probe = np.zeros((n, scanned.d), dtype=np.float32)
-        probe[:, : min(d, scanned.d)] = q[:, : scanned.d]
         factor = faiss.downcast_index(index).k_factor
-        rerank = min(max(k, int(factor * max(k, LEAST_K))), rest[0].ntotal)
-        _, rows = scanned.search(probe, rerank)
+        rows = self._scan(index, q, max(k, int(factor * max(k, LEAST_K))))
         found = rows >= 0
         picked, owner = rows[found], np.nonzero(found)[0]
         scores = np.zeros(len(picked), dtype=np.float32)
@@ -212,15 +209,38 @@ class ScanPrefix(IvfCodes):
         rows[~np.isfinite(best)] = -1
         return best, rows
 
+    @staticmethod
+    def _scan(index: faiss.Index, q: np.ndarray, count: int) -> np.ndarray:
+        """(N, count') rows whose scan codes score best against the queries' leading
+        coordinates (zero-padded): the rows a search decodes and scores."""
+        scanned, fine = parts(index)[:2]
+        probe = np.zeros((len(q), scanned.d), dtype=np.float32)
+        probe[:, : min(q.shape[1], scanned.d)] = q[:, : scanned.d]
+        return scanned.search(probe, min(count, fine.ntotal))[1]
+
+    def candidates(self, index: faiss.Index, queries: np.ndarray, count: int) -> np.ndarray:
+        """The rows a search for the top 10 decodes (k_factor x 10 by the scan codes; more
+        when `count` is larger), unscored: a search for `count` photos would decode k_factor
+        x `count` rows, several searches' worth."""
+        factor = faiss.downcast_index(index).k_factor
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        return self._scan(index, q, max(count, int(factor * LEAST_K)))
+
     def reconstruct(self, index: faiss.Index, start: int, count: int) -> np.ndarray:
         return self.vectors(index, np.arange(start, start + count))
 
-    def vectors(self, index: faiss.Index, rows: np.ndarray) -> np.ndarray:
+    def vectors(self, index: faiss.Index, rows: np.ndarray, dims: int | None = None
+                ) -> np.ndarray:
+        """Decoded part by part, the parts past the first `dims` coordinates left out."""
         fine, lead, tail = parts(index)[1:]
         rows = np.asarray(rows, dtype=np.int64)
-        rotated = np.ascontiguousarray(_decode_rows(tail, rows))
-        return np.concatenate([_decode_rows(fine, rows), _decode_rows(lead, rows),
-                               _rotation(index).reverse_transform(rotated)], 1)
+        out = [_decode_rows(fine, rows)]
+        if dims is None or dims > fine.d:
+            out.append(_decode_rows(lead, rows))
+        if dims is None or dims > fine.d + lead.d:
+            rotated = np.ascontiguousarray(_decode_rows(tail, rows))
+            out.append(_rotation(index).reverse_transform(rotated))
+        return np.concatenate(out, 1)
 
 
 def _decode_rows(part: faiss.IndexFlatCodes, rows: np.ndarray) -> np.ndarray:

@@ -159,7 +159,7 @@ def test_expanded_search_against_brute_force():
     centres = rng.normal(size=(40, 12)) * 2
     g = (centres[rng.integers(0, 40, 4000)] + rng.normal(size=(4000, 12))).astype(np.float32)
     q = (centres[rng.integers(0, 40, 30)] + 2 * rng.normal(size=(30, 12))).astype(np.float32)
-    search, vectors, cfg = _brute_search(g), (lambda rows: g[rows]), Expansion(n=5, weight=0.5)
+    search, vectors, cfg = _brute_search(g), (lambda rows, d: g[rows]), Expansion(n=5, weight=0.5)
     d = 8
     qd = np.ascontiguousarray(q[:, :d])
     first = np.argsort(-(qd @ g[:, :d].T), axis=1, kind="stable")
@@ -178,7 +178,7 @@ def test_expanded_search_against_brute_force():
     overlap = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(r, full[:, :10], strict=True)])
     assert overlap >= 0.95, overlap
     small = g[:80]  # K >= the gallery: the full search exactly
-    _, rs = expanded_search(qd, 7, _brute_search(small), lambda rows: small[rows], cfg)
+    _, rs = expanded_search(qd, 7, _brute_search(small), lambda rows, d: small[rows], cfg)
     want = np.argsort(-((qd + 0.5 * small[np.argsort(-(qd @ small[:, :d].T), axis=1,
                                                      kind="stable")[:, :5], :d].mean(1))
                          @ small[:, :d].T), axis=1, kind="stable")[:, :7]

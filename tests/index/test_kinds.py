@@ -196,3 +196,40 @@ def test_vectors_of_any_rows_are_the_rows_the_index_decodes(name):
     for r, v in zip(rows, got, strict=True):
         np.testing.assert_allclose(v, every[r], rtol=1e-5, atol=1e-6)  # rotations: rounding
     assert kind.vectors(index, np.zeros(0, np.int64)).shape == (0, 16)
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_candidates_hold_the_top_10_and_expansion_rescoring_matches_a_second_search(name):
+    """Every kind's `candidates` pool holds its own top 10, `vectors` cut at d is the first
+    d coordinates of the whole, and query expansion re-scoring the pool
+    (expanded_search) returns what a second search of the whole index returns for nearly
+    every query (its pool is the rows the kind searches anyway)."""
+    from training.cdk.model.smoothing import Expansion, expanded_search
+
+    kind = get(name)
+    photos, sketches = sketch_like(12_000, 40, L=16)
+    index = kind.build_vectors(photos, kind.plan(len(photos), 16))
+    rows = np.arange(0, 12_000, 997)
+    for d in (4, 8, 16):
+        np.testing.assert_allclose(kind.vectors(index, rows, d)[:, :d],
+                                   kind.vectors(index, rows)[:, :d], rtol=1e-5, atol=1e-6)
+    for d in (8, 16):
+        q = np.ascontiguousarray(sketches[:, :d])
+        pool = kind.candidates(index, q, 100)
+        assert pool.shape[0] == 40 and pool.shape[1] >= 100
+        top = kind.search(index, q, 10)[1]
+        assert all(set(t) <= set(p) for t, p in zip(top, pool, strict=True))
+
+        def search(x, k):
+            return kind.search(index, x, k)
+
+        def vectors(r, dims):
+            return kind.vectors(index, r, dims)
+
+        def candidates(x, c):
+            return kind.candidates(index, x, c)
+
+        _, served = expanded_search(q, 10, search, vectors, Expansion(), 10, candidates)
+        _, full = expanded_search(q, 10, search, vectors, Expansion(), 0)
+        same = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(served, full, strict=True)])
+        assert same >= 0.95, (name, d, same)

@@ -152,50 +152,55 @@ def expand_exact(f: torch.Tensor, g: torch.Tensor, cfg: Expansion) -> torch.Tens
 def expand_with(queries: np.ndarray, search: Callable, vectors: Callable, cfg: Expansion
                 ) -> np.ndarray:
     """(N, d) float32 queries expanded with their best photos in an index: ``search``
-    (queries, n) -> (scores, rows (N, n'), -1 where none) finds them, ``vectors`` (rows,) ->
-    (M, D >= d) reads their stored vectors (the service's GalleryIndex.search and .vectors)."""
+    (queries, n) -> (scores, rows (N, n'), -1 where none) finds them, ``vectors`` (rows, d)
+    -> (M, D >= d) reads their stored vectors (the service's GalleryIndex.search and
+    .vectors)."""
     if not cfg.active:
         return queries
     _, rows = search(queries, cfg.n)
     d = queries.shape[1]
     out = queries.copy()
     for i, r in enumerate(rows):
-        top = vectors(r[r >= 0])[None, :, :d]  # (1, n'', d)
+        top = vectors(r[r >= 0], d)[None, :, :d]  # (1, n'', d)
         out[i] = expand(queries[i : i + 1], top, cfg)[0]
     return out
 
 
-# expanded_search re-scores at least this many of the first search's photos
+# expanded_search re-scores at least this many photos a query
 RESCORE_MIN = 100
 
 
 def expanded_search(queries: np.ndarray, k: int, search: Callable, vectors: Callable,
-                    cfg: Expansion, rescore: int = 10) -> tuple[np.ndarray, np.ndarray]:
+                    cfg: Expansion, rescore: int = 10, candidates: Callable | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
     """The top k photos of each (N, d) float32 query expanded by ``cfg``: (scores, rows),
     (N, k') each as ``search`` (queries, k) returns them (-1 rows where none).
 
-    ``rescore`` > 0: one search for the best K = max(RESCORE_MIN, rescore x k) photos, the
-    query expanded with the first n of them, and those K re-scored by it (their stored
-    vectors, read by ``vectors``, as the index scores them): the top k of a second full
-    search whenever it lies among the first K, which the service's measurements found at
-    K = 100 for k = 10 (docs/service.md). 0: expand, then search the whole index again."""
+    ``rescore`` > 0: ``candidates`` (queries, K) -> rows (N, K'), -1 where none (None: the
+    rows of ``search``; the service's GalleryIndex.candidates) gives each query's pool of
+    at least K = max(RESCORE_MIN, rescore x k) photos; their stored vectors (``vectors``
+    (rows, d), as the index scores them) score the query, its best n expand it, and the
+    expanded query re-scores the pool. That is the top k of a second full search whenever
+    it lies in the pool, which the service's measurements found for the top 10
+    (docs/service.md, docs/scale.md). 0: expand, then search the whole index again."""
     if not cfg.active:
         return search(queries, k)
     if rescore <= 0:
         return search(expand_with(queries, search, vectors, cfg), k)
     d = queries.shape[1]
-    _, rows = search(queries, max(RESCORE_MIN, rescore * k, cfg.n))
-    width = min(k, rows.shape[1])
+    pool = (candidates or (lambda q, c: search(q, c)[1]))(
+        queries, max(RESCORE_MIN, rescore * k, cfg.n))
+    width = min(k, pool.shape[1])
     out_scores = np.full((len(queries), width), -np.inf, dtype=np.float32)
     out_rows = np.full((len(queries), width), -1, dtype=np.int64)
-    for i, r in enumerate(rows):
+    for i, r in enumerate(pool):
         r = r[r >= 0]
         if not len(r):
             continue
-        v = vectors(r)[:, :d]  # (K', d), in the first search's order
-        q = expand(queries[i : i + 1], v[None, : cfg.n], cfg)[0]
-        s = v @ q
-        top = np.argsort(-s, kind="stable")[:width]  # ties keep the first search's order
+        v = vectors(r, d)[:, :d]  # (K', d)
+        first = np.argsort(-(v @ queries[i]), kind="stable")[: cfg.n]
+        s = v @ expand(queries[i : i + 1], v[None, first], cfg)[0]
+        top = np.argsort(-s, kind="stable")[:width]
         out_scores[i, : len(top)] = s[top]
         out_rows[i, : len(top)] = r[top]
     return out_scores, out_rows
