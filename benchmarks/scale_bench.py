@@ -265,7 +265,7 @@ def served_search(kind, index, q: np.ndarray, rescore: int = 10):
 
     return expanded_search(q, K, lambda x, n: kind.search(index, x, n),
                            lambda rows, d: kind.vectors(index, rows, d), Expansion(), rescore,
-                           lambda x, n: kind.candidates(index, x, n))
+                           lambda x, n: kind.pool(index, x, n))
 
 
 def table(results: list[dict], nprobe: int) -> str:

@@ -193,11 +193,13 @@ class GalleryIndex:
         kinds): (M, D), D >= `dims` (None: all stored dims)."""
         return self.kind.vectors(self.index, np.asarray(rows, dtype=np.int64), dims)
 
-    def candidates(self, queries: np.ndarray, count: int) -> np.ndarray:
-        """(N, count') rows worth re-scoring for queries near `queries` (N, d), at least
-        `count` where the gallery holds them (Kind.candidates; query expansion)."""
+    def pool(self, queries: np.ndarray, count: int
+             ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+        """Candidates to re-score for queries near `queries` (N, d), at least `count` where
+        the gallery holds them: rows, their vectors and the queries in the kind's scoring
+        basis (Kind.pool; query expansion)."""
         queries = np.ascontiguousarray(queries, dtype=np.float32)
-        return self.kind.candidates(self.index, queries, min(count, len(self)))
+        return self.kind.pool(self.index, queries, min(count, len(self)))
 
     def photo_path(self, photo: Photo, photos_root: Path | None = None) -> Path:
         """Absolute path of a photo; `photos_root` overrides the root recorded at build."""

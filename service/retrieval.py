@@ -149,7 +149,7 @@ class RetrievalEngine:
             t0 = time.perf_counter()
             scores, rows = expanded_search(queries, k, gallery.search, gallery.vectors,
                                            self.expansion, self.expand_rescore,
-                                           gallery.candidates)  # (N, k') each
+                                           gallery.pool)  # (N, k') each
             timings.search = time.perf_counter() - t0
             hits = [_hits(gallery, srow, rrow) for srow, rrow in zip(scores, rows, strict=True)]
         return hits, timings

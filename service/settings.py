@@ -43,9 +43,9 @@ class Settings(BaseSettings):
         "of its expand_n best photos and ranks again (expand_rescore); None: the "
         "checkpoint's (the cpu preset: 5); 0: off (one search)")
     expand_rescore: int = Field(
-        default=10, ge=0, description="the expanded query re-scores the first search's best "
-        "max(100, expand_rescore x k) photos instead of searching the whole index again (the "
-        "same top k where measured, at half the search cost); 0: a second full search")
+        default=10, ge=0, description="the expanded query re-scores a pool of at least "
+        "max(100, expand_rescore x k) candidates (the index kind's) instead of searching the "
+        "whole index again (the same top 10 where measured); 0: a second full search")
     mirror_queries: bool | None = Field(
         default=None, description="None: sketches embedded as the checkpoint was trained "
         "(the cpu preset embeds each sketch alone, one backbone pass; a checkpoint trained "

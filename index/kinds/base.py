@@ -108,12 +108,17 @@ class Kind(abc.ABC):
         row_map(index)
         return index.reconstruct_batch(np.asarray(rows, dtype=np.int64))
 
-    def candidates(self, index: faiss.Index, queries: np.ndarray, count: int) -> np.ndarray:
-        """(N, count') rows (-1: none) among which a query near each of `queries` (N, d)
-        finds its best photos, for re-scoring by their `vectors` (the service's query
-        expansion: training.cdk.model.smoothing.expanded_search): here the kind's own top
-        `count`. A kind whose search costs grow with k gives the rows it already has."""
-        return self.search(index, queries, count)[1]
+    def pool(self, index: faiss.Index, queries: np.ndarray, count: int
+             ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+        """Candidates to re-score for queries near `queries` (N, d), for the service's query
+        expansion (training.cdk.model.smoothing.expanded_search): rows (N, count'), -1 where
+        none; for each query the valid rows' vectors (count'', d') and the queries (N, d'),
+        in a basis where their inner products are the index's scores. Here the kind's own
+        top `count`, decoded, and the queries as they are. A kind whose search costs grow
+        with k gives the rows it decodes anyway, in its own basis (scanprefix)."""
+        d = queries.shape[1]
+        rows = self.search(index, queries, count)[1]
+        return rows, [self.vectors(index, r[r >= 0], d)[:, :d] for r in rows], queries
 
 
 _ROW_MAP_LOCK = threading.Lock()

@@ -182,32 +182,31 @@ class ScanPrefix(IvfCodes):
 
     def search(self, index: faiss.Index, queries: np.ndarray, k: int
                ) -> tuple[np.ndarray, np.ndarray]:
-        rest = parts(index)[1:]
         q = np.ascontiguousarray(queries, dtype=np.float32)
-        n, d = q.shape
         factor = faiss.downcast_index(index).k_factor
         rows = self._scan(index, q, max(k, int(factor * max(k, LEAST_K))))
         found = rows >= 0
         picked, owner = rows[found], np.nonzero(found)[0]
-        scores = np.zeros(len(picked), dtype=np.float32)
-        start = 0
-        for i, part in enumerate(rest):  # fine, lead, tail: each adds its coordinates of
-            stop = min(d, start + part.d)  # the d-prefix
-            if stop > start:
-                coords = q[:, start:stop]
-                if i == 2:  # <q, R^T y> = <R q, y>: the query turned, not the rows
-                    padded = np.zeros((n, part.d), dtype=np.float32)
-                    padded[:, : stop - start] = coords
-                    coords = _rotation(index).apply(padded)
-                decoded = _decode_rows(part, picked)[:, : coords.shape[1]]
-                scores += np.einsum("rd,rd->r", decoded, coords[owner])
-            start += part.d
+        turned = self._turned(index, q)
+        scores = np.einsum("rd,rd->r", self._coded(index, picked, q.shape[1]), turned[owner])
         full = np.full(rows.shape, -np.inf, dtype=np.float32)
         full[found] = scores
         top = np.argsort(-full, axis=1, kind="stable")[:, :k]
         best, rows = np.take_along_axis(full, top, 1), np.take_along_axis(rows, top, 1)
         rows[~np.isfinite(best)] = -1
         return best, rows
+
+    def pool(self, index: faiss.Index, queries: np.ndarray, count: int
+             ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+        """The rows a search for the top 10 decodes (k_factor x 10 by the scan codes; more
+        when `count` is larger), decoded once in the scoring basis (the tail rotated, the
+        queries turned instead of the rows): a search for `count` photos would decode
+        k_factor x `count` rows, several searches' worth."""
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        factor = faiss.downcast_index(index).k_factor
+        rows = self._scan(index, q, max(count, int(factor * LEAST_K)))
+        return (rows, [self._coded(index, r[r >= 0], q.shape[1]) for r in rows],
+                self._turned(index, q))
 
     @staticmethod
     def _scan(index: faiss.Index, q: np.ndarray, count: int) -> np.ndarray:
@@ -218,13 +217,32 @@ class ScanPrefix(IvfCodes):
         probe[:, : min(q.shape[1], scanned.d)] = q[:, : scanned.d]
         return scanned.search(probe, min(count, fine.ntotal))[1]
 
-    def candidates(self, index: faiss.Index, queries: np.ndarray, count: int) -> np.ndarray:
-        """The rows a search for the top 10 decodes (k_factor x 10 by the scan codes; more
-        when `count` is larger), unscored: a search for `count` photos would decode k_factor
-        x `count` rows, several searches' worth."""
-        factor = faiss.downcast_index(index).k_factor
-        q = np.ascontiguousarray(queries, dtype=np.float32)
-        return self._scan(index, q, max(count, int(factor * LEAST_K)))
+    @staticmethod
+    def _turned(index: faiss.Index, q: np.ndarray) -> np.ndarray:
+        """(N, d') d-prefix queries in the scoring basis: d' = d up to fine + lead; past
+        that, their tail coordinates (zero-padded) rotated as the tail's codes are, all of
+        them (<q, R^T y> = <R q, y>)."""
+        fine, lead, tail = parts(index)[1:]
+        n, d = q.shape
+        start = fine.d + lead.d
+        if d <= start:
+            return q
+        padded = np.zeros((n, tail.d), dtype=np.float32)
+        padded[:, : d - start] = q[:, start:]
+        turned = _rotation(index).apply(padded)
+        return np.ascontiguousarray(np.concatenate([q[:, :start], turned], 1))
+
+    @staticmethod
+    def _coded(index: faiss.Index, rows: np.ndarray, d: int) -> np.ndarray:
+        """(M, d') decoded rows in the scoring basis of a d-prefix (_turned): the fine and
+        lead coordinates up to d, and past them the whole rotated tail as stored."""
+        fine, lead, tail = parts(index)[1:]
+        out = [_decode_rows(fine, rows)[:, :d]]
+        if d > fine.d:
+            out.append(_decode_rows(lead, rows)[:, : d - fine.d])
+        if d > fine.d + lead.d:
+            out.append(_decode_rows(tail, rows))
+        return np.concatenate(out, 1)
 
     def reconstruct(self, index: faiss.Index, start: int, count: int) -> np.ndarray:
         return self.vectors(index, np.arange(start, start + count))

@@ -199,11 +199,11 @@ def test_vectors_of_any_rows_are_the_rows_the_index_decodes(name):
 
 
 @pytest.mark.parametrize("name", sorted(KINDS))
-def test_candidates_hold_the_top_10_and_expansion_rescoring_matches_a_second_search(name):
-    """Every kind's `candidates` pool holds its own top 10, `vectors` cut at d is the first
-    d coordinates of the whole, and query expansion re-scoring the pool
-    (expanded_search) returns what a second search of the whole index returns for nearly
-    every query (its pool is the rows the kind searches anyway)."""
+def test_pool_scores_as_the_index_and_expansion_rescoring_matches_a_second_search(name):
+    """Every kind's `pool` holds its own top 10 and scores them as its search does (vectors
+    and queries in its scoring basis), `vectors` cut at d is the first d coordinates of the
+    whole, and query expansion re-scoring the pool (expanded_search) returns what a second
+    search of the whole index returns for nearly every query."""
     from training.cdk.model.smoothing import Expansion, expanded_search
 
     kind = get(name)
@@ -215,10 +215,15 @@ def test_candidates_hold_the_top_10_and_expansion_rescoring_matches_a_second_sea
                                    kind.vectors(index, rows)[:, :d], rtol=1e-5, atol=1e-6)
     for d in (8, 16):
         q = np.ascontiguousarray(sketches[:, :d])
-        pool = kind.candidates(index, q, 100)
-        assert pool.shape[0] == 40 and pool.shape[1] >= 100
-        top = kind.search(index, q, 10)[1]
-        assert all(set(t) <= set(p) for t, p in zip(top, pool, strict=True))
+        pool_rows, coded, based = kind.pool(index, q, 100)
+        assert pool_rows.shape[0] == 40 and pool_rows.shape[1] >= 100
+        scores, top = kind.search(index, q, 10)
+        for i in range(40):
+            valid = pool_rows[i][pool_rows[i] >= 0]
+            at = {r: j for j, r in enumerate(valid)}
+            assert set(top[i]) <= set(at)
+            np.testing.assert_allclose(coded[i][[at[r] for r in top[i]]] @ based[i], scores[i],
+                                       rtol=1e-4, atol=1e-4)
 
         def search(x, k):
             return kind.search(index, x, k)
@@ -226,10 +231,10 @@ def test_candidates_hold_the_top_10_and_expansion_rescoring_matches_a_second_sea
         def vectors(r, dims):
             return kind.vectors(index, r, dims)
 
-        def candidates(x, c):
-            return kind.candidates(index, x, c)
+        def pool(x, c):
+            return kind.pool(index, x, c)
 
-        _, served = expanded_search(q, 10, search, vectors, Expansion(), 10, candidates)
+        _, served = expanded_search(q, 10, search, vectors, Expansion(), 10, pool)
         _, full = expanded_search(q, 10, search, vectors, Expansion(), 0)
         same = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(served, full, strict=True)])
         assert same >= 0.95, (name, d, same)

@@ -171,35 +171,40 @@ RESCORE_MIN = 100
 
 
 def expanded_search(queries: np.ndarray, k: int, search: Callable, vectors: Callable,
-                    cfg: Expansion, rescore: int = 10, candidates: Callable | None = None
+                    cfg: Expansion, rescore: int = 10, pool: Callable | None = None
                     ) -> tuple[np.ndarray, np.ndarray]:
     """The top k photos of each (N, d) float32 query expanded by ``cfg``: (scores, rows),
     (N, k') each as ``search`` (queries, k) returns them (-1 rows where none).
 
-    ``rescore`` > 0: ``candidates`` (queries, K) -> rows (N, K'), -1 where none (None: the
-    rows of ``search``; the service's GalleryIndex.candidates) gives each query's pool of
-    at least K = max(RESCORE_MIN, rescore x k) photos; their stored vectors (``vectors``
-    (rows, d), as the index scores them) score the query, its best n expand it, and the
-    expanded query re-scores the pool. That is the top k of a second full search whenever
-    it lies in the pool, which the service's measurements found for the top 10
-    (docs/service.md, docs/scale.md). 0: expand, then search the whole index again."""
+    ``rescore`` > 0: ``pool`` (queries, K) -> (rows (N, K'), -1 where none; for each query
+    its valid rows' vectors; the queries), vectors and queries in a basis where their inner
+    products are the index's scores (the service's GalleryIndex.pool; None: ``search``'s
+    top K and ``vectors``), gives each query a pool of at least K = max(RESCORE_MIN,
+    rescore x k) photos. Its best n by the query expand the query, and the expanded query
+    re-scores the pool. That is the top k of a second full search whenever it lies in the
+    pool, which the service's measurements found for the top 10 (docs/service.md,
+    docs/scale.md). 0: expand, then search the whole index again. ``vectors`` (rows, d) ->
+    (M, D >= d) reads stored vectors."""
     if not cfg.active:
         return search(queries, k)
     if rescore <= 0:
         return search(expand_with(queries, search, vectors, cfg), k)
-    d = queries.shape[1]
-    pool = (candidates or (lambda q, c: search(q, c)[1]))(
-        queries, max(RESCORE_MIN, rescore * k, cfg.n))
-    width = min(k, pool.shape[1])
+    count = max(RESCORE_MIN, rescore * k, cfg.n)
+    if pool is None:
+        d = queries.shape[1]
+        rows = search(queries, count)[1]
+        coded, based = [vectors(r[r >= 0], d)[:, :d] for r in rows], queries
+    else:
+        rows, coded, based = pool(queries, count)
+    width = min(k, rows.shape[1])
     out_scores = np.full((len(queries), width), -np.inf, dtype=np.float32)
     out_rows = np.full((len(queries), width), -1, dtype=np.int64)
-    for i, r in enumerate(pool):
+    for i, (r, v) in enumerate(zip(rows, coded, strict=True)):
         r = r[r >= 0]
         if not len(r):
             continue
-        v = vectors(r, d)[:, :d]  # (K', d)
-        first = np.argsort(-(v @ queries[i]), kind="stable")[: cfg.n]
-        s = v @ expand(queries[i : i + 1], v[None, first], cfg)[0]
+        first = np.argsort(-(v @ based[i]), kind="stable")[: cfg.n]
+        s = v @ expand(based[i : i + 1], v[None, first], cfg)[0]
         top = np.argsort(-s, kind="stable")[:width]
         out_scores[i, : len(top)] = s[top]
         out_rows[i, : len(top)] = r[top]
