@@ -187,8 +187,13 @@ class ScanPrefix(IvfCodes):
         rows = self._scan(index, q, max(k, int(factor * max(k, LEAST_K))))
         found = rows >= 0
         picked, owner = rows[found], np.nonzero(found)[0]
-        turned = self._turned(index, q)
-        scores = np.einsum("rd,rd->r", self._coded(index, picked, q.shape[1]), turned[owner])
+        turned = self._turned(index, q)[owner]
+        scores = np.zeros(len(picked), dtype=np.float32)
+        start = 0
+        for part, width in self._widths(index, q.shape[1]):  # part by part: no copy of all
+            scores += np.einsum("rd,rd->r", _decode_rows(part, picked)[:, :width],
+                                turned[:, start : start + width])
+            start += width
         full = np.full(rows.shape, -np.inf, dtype=np.float32)
         full[found] = scores
         top = np.argsort(-full, axis=1, kind="stable")[:, :k]
@@ -233,16 +238,18 @@ class ScanPrefix(IvfCodes):
         return np.ascontiguousarray(np.concatenate([q[:, :start], turned], 1))
 
     @staticmethod
-    def _coded(index: faiss.Index, rows: np.ndarray, d: int) -> np.ndarray:
-        """(M, d') decoded rows in the scoring basis of a d-prefix (_turned): the fine and
+    def _widths(index: faiss.Index, d: int) -> list[tuple[faiss.Index, int]]:
+        """(part, its columns) of the scoring basis of a d-prefix (_turned): the fine and
         lead coordinates up to d, and past them the whole rotated tail as stored."""
         fine, lead, tail = parts(index)[1:]
-        out = [_decode_rows(fine, rows)[:, :d]]
-        if d > fine.d:
-            out.append(_decode_rows(lead, rows)[:, : d - fine.d])
-        if d > fine.d + lead.d:
-            out.append(_decode_rows(tail, rows))
-        return np.concatenate(out, 1)
+        widths = [(fine, min(d, fine.d)), (lead, min(d - fine.d, lead.d)), (tail, tail.d)]
+        return [(part, w) for (part, w), start in zip(widths, (0, fine.d, fine.d + lead.d),
+                                                      strict=True) if d > start]
+
+    def _coded(self, index: faiss.Index, rows: np.ndarray, d: int) -> np.ndarray:
+        """(M, d') decoded rows in the scoring basis of a d-prefix (_turned)."""
+        return np.concatenate([_decode_rows(part, rows)[:, :w]
+                               for part, w in self._widths(index, d)], 1)
 
     def reconstruct(self, index: faiss.Index, start: int, count: int) -> np.ndarray:
         return self.vectors(index, np.arange(start, start + count))
