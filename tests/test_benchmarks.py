@@ -430,7 +430,10 @@ def test_cdk_levers_bench_smoke(tiny_data, tmp_path, capsys):
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["variant"] for r in rows] == variants
     # the variants passed their own sampler and weights: different training, same data
-    assert len({r["max_swap_top32"] for r in rows}) == len({r["valid_map"] for r in rows}) == 3
+    # (the learned spectrum differs; the full embedding's mAP on this tiny set is mostly the
+    # raw coordinates', which no variant changes)
+    assert len({r["max_swap_top32"] for r in rows}) == 3
+    assert len({r["max_swap_top32_norm"] for r in rows}) == 3
 
 
 def test_scale_bench_smoke(tmp_path):
