@@ -248,7 +248,7 @@ def measure(kind, index, q: np.ndarray, folder: Path, args) -> list[dict]:
             t = latencies(lambda x, d=d: kind.search(index, x, K), qd[: args.timed_queries])
             timed = qd[: args.timed_queries]
             served = latencies(lambda x: served_search(kind, index, x), timed)
-            rescored, full = (served_search(kind, index, timed, r)[1] for r in (10, 0))
+            rescored, full = (served_search(kind, index, timed, r)[1] for r in (None, 0))
             rows.append({"d": d, "nprobe": nprobe,
                          "recall": recall(found, np.load(folder / f"truth-{d}.npy")),
                          "p50_ms": 1e3 * np.median(t), "p99_ms": 1e3 * np.quantile(t, 0.99),
@@ -257,15 +257,16 @@ def measure(kind, index, q: np.ndarray, folder: Path, args) -> list[dict]:
     return rows
 
 
-def served_search(kind, index, q: np.ndarray, rescore: int = 10):
+def served_search(kind, index, q: np.ndarray, rescore: int | None = None):
     """What `/retrieve` does with a query: expanded with its best photos (the default
-    Expansion), its pool of candidates re-scored (the service's default; 0: a second full
-    search instead), its top K."""
-    from training.cdk.model.smoothing import Expansion, expanded_search
+    Expansion), its pool of candidates re-scored (None: the service's default; 0: a second
+    full search instead), its top K."""
+    from training.cdk.model.smoothing import RESCORE, Expansion, expanded_search
 
     return expanded_search(q, K, lambda x, n: kind.search(index, x, n),
-                           lambda rows, d: kind.vectors(index, rows, d), Expansion(), rescore,
-                           lambda x, n: kind.pool(index, x, n))
+                           lambda rows, d: kind.vectors(index, rows, d),
+                           lambda x, n: kind.pool(index, x, n), Expansion(),
+                           RESCORE if rescore is None else rescore)
 
 
 def table(results: list[dict], nprobe: int) -> str:

@@ -21,7 +21,7 @@ from index.store import GalleryIndex, IndexCorruptError
 from service.encoders import Encoder, TorchEncoder
 from service.galleries import GalleryHolder
 from service.photo_files import UnknownPhotoError, read_photo
-from training.cdk.model.smoothing import Expansion, expanded_search
+from training.cdk.model.smoothing import RESCORE, Expansion, expanded_search
 from training.images import decode_image
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class RetrievalEngine:
                  photos_root: Path | None = None, checkpoint: Path | None = None,
                  decode_side: int | None = None, embed_batch: int = 16,
                  encoder: Encoder | None = None, version: str | None = None,
-                 expansion: Expansion | None = None, expand_rescore: int = 10):
+                 expansion: Expansion | None = None, expand_rescore: int = RESCORE):
         check_width(embedder, gallery)
         self.embedder = embedder
         self.galleries = GalleryHolder(gallery, version)
@@ -93,8 +93,9 @@ class RetrievalEngine:
         # Each query expanded with its best photos before the search that answers it
         # (training.cdk.model.smoothing.Expansion; the checkpoint's, or the settings').
         self.expansion = expansion or Expansion(n=0)
-        # ... and the first search's best max(100, expand_rescore x k) photos re-scored by
-        # the expanded query (0: a second search of the whole index; expanded_search)
+        # ... and a pool of at least max(100, expand_rescore x k) candidates (the index
+        # kind's) re-scored by the expanded query (0: a second search of the whole index;
+        # expanded_search)
         self.expand_rescore = expand_rescore
 
     @property
@@ -148,8 +149,8 @@ class RetrievalEngine:
             del images
             t0 = time.perf_counter()
             scores, rows = expanded_search(queries, k, gallery.search, gallery.vectors,
-                                           self.expansion, self.expand_rescore,
-                                           gallery.pool)  # (N, k') each
+                                           gallery.pool, self.expansion,
+                                           self.expand_rescore)  # (N, k') each
             timings.search = time.perf_counter() - t0
             hits = [_hits(gallery, srow, rrow) for srow, rrow in zip(scores, rows, strict=True)]
         return hits, timings

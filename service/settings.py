@@ -42,7 +42,7 @@ class Settings(BaseSettings):
         default=None, ge=0, description="query expansion: each query moves toward the mean "
         "of its expand_n best photos and ranks again (expand_rescore); None: the "
         "checkpoint's (the cpu preset: 5); 0: off (one search)")
-    expand_rescore: int = Field(
+    expand_rescore: int = Field(  # training.cdk.model.smoothing.RESCORE (torch-free here)
         default=10, ge=0, description="the expanded query re-scores a pool of at least "
         "max(100, expand_rescore x k) candidates (the index kind's) instead of searching the "
         "whole index again (the same top 10 where measured); 0: a second full search")

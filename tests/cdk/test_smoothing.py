@@ -150,6 +150,17 @@ def _brute_search(g: np.ndarray):
     return search
 
 
+def _brute_pool(g: np.ndarray):
+    """pool(queries, count) as Kind.pool's default gives it: the top count by exact search,
+    their vectors on the queries' d, the queries as they are."""
+    search = _brute_search(g)
+
+    def pool(q, count):
+        rows = search(q, count)[1]
+        return rows, [g[r[r >= 0], : q.shape[1]] for r in rows], q
+    return pool
+
+
 def test_expanded_search_against_brute_force():
     """The service's search: rescore 0 is the expanded query's full search; rescore > 0
     is the expanded query's top k among the first search's best K = max(100, rescore x k),
@@ -166,10 +177,11 @@ def test_expanded_search_against_brute_force():
     expanded = qd + 0.5 * g[first[:, :5], :d].mean(1)
     full_scores = expanded @ g[:, :d].T  # (30, 4000)
     full = np.argsort(-full_scores, axis=1, kind="stable")
-    s0, r0 = expanded_search(qd, 10, search, vectors, cfg, rescore=0)
+    pool = _brute_pool(g)
+    s0, r0 = expanded_search(qd, 10, search, vectors, pool, cfg, rescore=0)
     np.testing.assert_array_equal(r0, full[:, :10])
     np.testing.assert_allclose(s0, np.take_along_axis(full_scores, full[:, :10], 1), rtol=1e-5)
-    s, r = expanded_search(qd, 10, search, vectors, cfg, rescore=10)  # K = 100
+    s, r = expanded_search(qd, 10, search, vectors, pool, cfg, rescore=10)  # K = 100
     for i in range(len(q)):
         cand = first[i, :100]
         want = cand[np.argsort(-full_scores[i, cand], kind="stable")[:10]]
@@ -178,13 +190,15 @@ def test_expanded_search_against_brute_force():
     overlap = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(r, full[:, :10], strict=True)])
     assert overlap >= 0.95, overlap
     small = g[:80]  # K >= the gallery: the full search exactly
-    _, rs = expanded_search(qd, 7, _brute_search(small), lambda rows, d: small[rows], cfg)
+    _, rs = expanded_search(qd, 7, _brute_search(small), lambda rows, d: small[rows],
+                            _brute_pool(small), cfg)
     want = np.argsort(-((qd + 0.5 * small[np.argsort(-(qd @ small[:, :d].T), axis=1,
                                                      kind="stable")[:, :5], :d].mean(1))
                          @ small[:, :d].T), axis=1, kind="stable")[:, :7]
     np.testing.assert_array_equal(rs, want)
     # off: the plain search
-    np.testing.assert_array_equal(expanded_search(qd, 4, search, vectors, Expansion(n=0))[1],
+    np.testing.assert_array_equal(expanded_search(qd, 4, search, vectors, pool,
+                                                  Expansion(n=0))[1],
                                   first[:, :4])
 
 

@@ -234,7 +234,7 @@ def test_pool_scores_as_the_index_and_expansion_rescoring_matches_a_second_searc
         def pool(x, c):
             return kind.pool(index, x, c)
 
-        _, served = expanded_search(q, 10, search, vectors, Expansion(), 10, pool)
-        _, full = expanded_search(q, 10, search, vectors, Expansion(), 0)
+        _, served = expanded_search(q, 10, search, vectors, pool, Expansion(), 10)
+        _, full = expanded_search(q, 10, search, vectors, pool, Expansion(), 0)
         same = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(served, full, strict=True)])
         assert same >= 0.95, (name, d, same)

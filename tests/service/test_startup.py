@@ -12,6 +12,7 @@ from index.store import SIDECAR_FILE, IndexMismatchError, current_version, read_
 from service.loading import find_checkpoint
 from service.main import create_app
 from service.settings import Settings
+from training.cdk.model.smoothing import RESCORE
 
 
 def test_checkpoint_from_setting_then_sidecar_then_next_to_index(tmp_path, real_index,
@@ -49,7 +50,9 @@ def test_startup_loads_the_real_engine(real_index, small_sketches):
         assert r.status_code == 200 and len(r.json()["results"]) == 15
         info = client.get("/info").json()
         assert info["model"] == "checkpoint.pt"
-        assert info["query_expansion"] == {"n": 5, "weight": 0.5, "rescore": 10}  # the checkpoint's
+        # the checkpoint's expansion; the settings' re-scoring, whose default is training's
+        assert info["query_expansion"] == {"n": 5, "weight": 0.5, "rescore": 10}
+        assert Settings().expand_rescore == RESCORE == 10
 
 
 def test_expand_n_setting_overrides_the_checkpoint(real_index, small_sketches):

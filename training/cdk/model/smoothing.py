@@ -23,8 +23,8 @@ they are photos: their mean carries what photos of that class share, which a ske
 only in part. It serves class-level retrieval alike (``--expand-n 0`` for instance-level).
 Training's evaluation ranks the whole gallery by the expanded query (``expand_exact``: mAP
 needs every rank). The service wants only the top k, and the expanded query's top k lie
-among the first search's best few hundred, so it re-scores those (``expanded_search``):
-n + a few hundred stored vectors read per query instead of a second pass over the index.
+among the query's own best few hundred, so it re-scores a pool of candidates the index
+gives (``expanded_search``) instead of a second pass over the index.
 
 ``smooth`` takes the neighbour search as an argument: exact search in torch here (training's
 evaluation), FAISS in ``index.build`` (tested to give the same neighbours).
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["RESCORE_MIN", "Expansion", "Smoothing", "exact_neighbours", "expand", "expand_exact",
-           "expand_with", "expanded_search", "smooth"]
+__all__ = ["RESCORE", "RESCORE_MIN", "Expansion", "Smoothing", "exact_neighbours", "expand",
+           "expand_exact", "expand_with", "expanded_search", "smooth"]
 
 # (N, d) vectors, k, rows (R,) -> (R, k) int64 indices of the k rows of the N nearest to each
 # of ``rows`` by cosine, the row itself excluded
@@ -166,36 +166,32 @@ def expand_with(queries: np.ndarray, search: Callable, vectors: Callable, cfg: E
     return out
 
 
-# expanded_search re-scores at least this many photos a query
+# expanded_search's pool: at least max(RESCORE_MIN, RESCORE x k) photos (the service's
+# default; its EXPAND_RESCORE setting)
+RESCORE = 10
 RESCORE_MIN = 100
 
 
 def expanded_search(queries: np.ndarray, k: int, search: Callable, vectors: Callable,
-                    cfg: Expansion, rescore: int = 10, pool: Callable | None = None
+                    pool: Callable, cfg: Expansion, rescore: int = RESCORE
                     ) -> tuple[np.ndarray, np.ndarray]:
     """The top k photos of each (N, d) float32 query expanded by ``cfg``: (scores, rows),
     (N, k') each as ``search`` (queries, k) returns them (-1 rows where none).
 
     ``rescore`` > 0: ``pool`` (queries, K) -> (rows (N, K'), -1 where none; for each query
     its valid rows' vectors; the queries), vectors and queries in a basis where their inner
-    products are the index's scores (the service's GalleryIndex.pool; None: ``search``'s
-    top K and ``vectors``), gives each query a pool of at least K = max(RESCORE_MIN,
-    rescore x k) photos. Its best n by the query expand the query, and the expanded query
-    re-scores the pool. That is the top k of a second full search whenever it lies in the
-    pool, which the service's measurements found for the top 10 (docs/service.md,
-    docs/scale.md). 0: expand, then search the whole index again. ``vectors`` (rows, d) ->
-    (M, D >= d) reads stored vectors."""
+    products are the index's scores (the service's GalleryIndex.pool, index.kinds'
+    Kind.pool), gives each query a pool of at least K = max(RESCORE_MIN, rescore x k)
+    photos. Its best n by the query expand the query, and the expanded query re-scores the
+    pool. That is the top k of a second full search whenever it lies in the pool, which the
+    service's measurements found for the top 10 (docs/service.md, docs/scale.md). 0:
+    expand (``vectors`` (rows, d) -> (M, D >= d) reads the n best photos' stored vectors),
+    then search the whole index again."""
     if not cfg.active:
         return search(queries, k)
     if rescore <= 0:
         return search(expand_with(queries, search, vectors, cfg), k)
-    count = max(RESCORE_MIN, rescore * k, cfg.n)
-    if pool is None:
-        d = queries.shape[1]
-        rows = search(queries, count)[1]
-        coded, based = [vectors(r[r >= 0], d)[:, :d] for r in rows], queries
-    else:
-        rows, coded, based = pool(queries, count)
+    rows, coded, based = pool(queries, max(RESCORE_MIN, rescore * k, cfg.n))
     width = min(k, rows.shape[1])
     out_scores = np.full((len(queries), width), -np.inf, dtype=np.float32)
     out_rows = np.full((len(queries), width), -1, dtype=np.int64)
