@@ -71,7 +71,7 @@ def calibration(embedder: Embedder, data: Path | None, n: int):
     except QuantizationError as err:
         print(f"calibrating on random images (speed only, no parity): {err}")
         rng = np.random.default_rng(0)
-        size = embedder.image_size
+        size = embedder.size_of("sketch")
         return [rng.standard_normal((1, 3, size, size), np.float32) for _ in range(n)], None
 
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.perf_counter()
         batches, valid = calibration(embedder, args.data, args.calibration)
         int8 = _as_int8(quantize_graph(model, iter(batches), INPUT, args.float_front))
-        print(f"{embedder.backbone} at {embedder.image_size} px, width {embedder.width}; "
+        print(f"{embedder.backbone} at {embedder.size_of('sketch')} px, width {embedder.width}; "
               f"export {t1 - t0:.1f} s, {len(model) / 1e6:.1f} MB; int8 "
               f"{time.perf_counter() - t1:.1f} s, {len(int8) / 1e6:.1f} MB")
         if valid is not None:  # the rule the service applies (training.cdk.model.quantize)
@@ -205,7 +205,7 @@ def _as_int8(graph: bytes) -> bytes:
 
 
 def measure(embedder: Embedder, model: bytes, int8: bytes, args, batches) -> None:
-    size = embedder.image_size
+    size = embedder.size_of("sketch")
     print(f"{'threads':>7} {'batch':>5} {'runtime':>17} {'ms/image':>9} {'vs torch':>8} "
           f"{'max |diff|/scale':>16}")
     with torch.inference_mode():

@@ -5,6 +5,7 @@ for each sketch encoder and precision in the same run.
     python benchmarks/service_bench.py                       # builds runs/bench/index once
     python benchmarks/service_bench.py --encoders onnx --flip-average false true  # mirror cost
     python benchmarks/service_bench.py --encoders onnx --layouts 1x2 2x1  # threads x slots
+    python benchmarks/service_bench.py --index runs/index runs/index-fast --encoders onnx
     python benchmarks/service_bench.py --smoke               # tiny data, seconds: a check
 
 For each configuration, starts `python -m service` as a separate process on a free local
@@ -254,7 +255,9 @@ def report(results: dict, concurrency: list[int]) -> None:
 
 def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--index", type=Path, default=None)
+    p.add_argument("--index", type=Path, nargs="+", default=None,
+                   help="index folders (each with its checkpoint), measured in one run; "
+                        "default: one built from an untrained checkpoint")
     p.add_argument("--data", type=Path, default=DATA)
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench")
     p.add_argument("--classes", type=int, default=None, help="gallery classes (default all)")
@@ -309,14 +312,16 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     try:
         for mirror in args.flip_average:
-            index = args.index or prepare_index(work / f"mirror-{mirror}", args.data,
-                                                args.classes, mirror == "true", args.smoke)
-            for config in configurations(args, layouts):
-                name = (f"{config['encoder']} {config['precision']}"
-                        + ("" if args.index else f", mirror {mirror}")
-                        + (f", {config['threads']}x{config['slots']}" if len(layouts) > 1
-                           else ""))
-                results[name] = run_server(index, config, args, bodies)
+            indexes = args.index or [prepare_index(work / f"mirror-{mirror}", args.data,
+                                                   args.classes, mirror == "true", args.smoke)]
+            for index in indexes:
+                for config in configurations(args, layouts):
+                    name = (f"{config['encoder']} {config['precision']}"
+                            + (f", {index.name}" if args.index and len(indexes) > 1 else "")
+                            + ("" if args.index else f", mirror {mirror}")
+                            + (f", {config['threads']}x{config['slots']}" if len(layouts) > 1
+                               else ""))
+                    results[name] = run_server(index, config, args, bodies)
             if args.index:
                 break
         report(results, args.concurrency)

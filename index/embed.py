@@ -70,7 +70,7 @@ def cached_features(
         return [], torch.zeros(0, 0)
     bb = embedder.backbone_of("photo")
     positions, feats = find_cached([root / p.path for p in photos], bb, bb.module,
-                                   embedder.image_size, cache_dir)
+                                   embedder.size_of("photo"), cache_dir)
     log.info("feature cache %s holds the backbone features of %d of %d photos", cache_dir,
              len(positions), len(photos))
     return positions, feats
@@ -198,7 +198,8 @@ def embed_photos(
                              embedder.width)
     done = set(positions)
     rest = [i for i in range(len(photos)) if i not in done]
-    loader = DataLoader(PhotoFiles([root / photos[i].path for i in rest], embedder.transform()),
+    loader = DataLoader(PhotoFiles([root / photos[i].path for i in rest],
+                                   embedder.transform("photo")),
                         batch_size=batch_size, num_workers=workers if rest else 0)
     bar = tqdm(total=len(rest), desc="embedding photos", unit="img", disable=not progress)
     start = 0

@@ -79,6 +79,6 @@ def load_engine(settings: Settings) -> RetrievalEngine:
     if settings.expand_n is not None:
         expand = dataclasses.replace(expand, n=settings.expand_n)
     return RetrievalEngine(embedder, gallery, settings.max_pixels, settings.photos_dir,
-                           checkpoint, decode_side=2 * embedder.image_size,
+                           checkpoint, decode_side=2 * embedder.size_of("sketch"),
                            embed_batch=settings.embed_batch, encoder=encoder, version=version,
                            expansion=expand, expand_rescore=settings.expand_rescore)

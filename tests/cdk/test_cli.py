@@ -257,3 +257,29 @@ def test_cli_split_none_trains_on_every_class_but_validation_and_says_so(tmp_pat
     assert (out / "gallery.png").stat().st_size > 1000
     assert load_checkpoint(out / "checkpoint.pt")["config"]["split"] == "none"
 
+
+
+def test_cli_sketches_at_their_own_size_and_the_embedder_agrees(tiny, tmp_path):
+    # sketches embedded at 24 px, photos at 32: training, evaluation and the checkpoint's
+    # Embedder all take each modality at its size (the metrics are reproduced from the file)
+    root, split = tiny
+    out = tmp_path / "run"
+    main(_args(root, split, out, tmp_path / "cache", "--sketch-image-size", "24",
+               "--epochs", "1"))
+    m = json.loads((out / "metrics.json").read_text())
+    assert (m["config"]["image_size"], m["config"]["sketch_image_size"]) == (32, 24)
+    ck = load_checkpoint(out / "checkpoint.pt")
+    assert (ck["backbone"]["image_size"], ck["backbone"]["sketch_image_size"]) == (32, 24)
+    e = Embedder.from_checkpoint(out / "checkpoint.pt", device="cpu")
+    va = scan(root).restrict(list(VALID))
+    sketches = [load_image(p) for p in va.sketches]
+    f = e.embed(sketches, "sketch")
+    g = e.embed([load_image(p) for p in va.photos], "photo")
+    r = retrieval_metrics(f, g, va.sketch_labels, va.photo_labels, 2)
+    assert r["map_all"] == pytest.approx(m["valid"]["map_all"], abs=1e-6)
+    # the sketches at the photos' size embed otherwise: the size is what was used
+    e.sketch_image_size = 32
+    assert not np.allclose(e.embed(sketches, "sketch"), f, atol=1e-3)
+    # unset, the sketches take the photos' size (and so read older checkpoints)
+    main(_args(root, split, tmp_path / "same", tmp_path / "cache", "--epochs", "1"))
+    assert json.loads((tmp_path / "same" / "config.json").read_text())["sketch_image_size"] == 32

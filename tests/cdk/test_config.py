@@ -12,6 +12,7 @@ from training.cdk.config import (
     from_dict,
     make_config,
     parse_args,
+    sketch_size,
     to_dict,
 )
 
@@ -24,8 +25,8 @@ def data_dir(tmp_path, monkeypatch):
 
 
 def test_defaults_are_the_cpu_preset():
-    # the preset is Config() with the native input size resolved
-    native = dataclasses.replace(Config(), image_size=240)
+    # the preset is Config() with the native input size resolved (sketches' too)
+    native = dataclasses.replace(Config(), image_size=240, sketch_image_size=240)
     assert make_config("cpu") == native
     assert make_config() == native and Config().preset == "cpu"
     c = Config()
@@ -147,6 +148,10 @@ def test_from_dict_round_trips_and_refuses_configs_of_other_code():
     # a checkpoint from before whitening stored plain principal axes
     earlier = {k: v for k, v in to_dict(default).items() if k != "raw_whiten"}
     assert from_dict(earlier).raw_whiten == 0.0 and default.raw_whiten == 0.5
+    # a checkpoint from before the sketches' own size embedded them at image_size
+    earlier = {k: v for k, v in to_dict(default).items() if k != "sketch_image_size"}
+    assert from_dict(earlier).sketch_image_size == 0
+    assert sketch_size(from_dict(earlier)) == default.image_size == 240
     # query expansion trains nothing: a checkpoint from before it gets today's
     earlier = {k: v for k, v in to_dict(default).items() if not k.startswith("expand_")}
     assert (from_dict(earlier).expand_n, from_dict(earlier).expand_weight) == (5, 0.5)
@@ -172,6 +177,21 @@ def test_mirror_averaging_is_chosen_per_modality():
     with pytest.raises(ValueError, match="sketch_flip_average applies to frozen backbones"):
         make_config(finetune=True, photo_flip_average=False, sketch_flip_average=True,
                     raw_dims=0)
+
+
+def test_sketch_image_size_values():
+    assert Config().sketch_image_size == 0  # resolved by make_config
+    assert make_config().sketch_image_size == make_config().image_size == 240
+    assert make_config(image_size=200).sketch_image_size == 200
+    c = make_config(sketch_image_size=160)
+    assert (c.image_size, c.sketch_image_size, sketch_size(c)) == (240, 160, 160)
+    with pytest.raises(ValueError, match="sketch_image_size must be >= 0"):
+        make_config(sketch_image_size=-1)
+    frozen = {"photo_flip_average": False, "raw_dims": 0}
+    with pytest.raises(ValueError, match="sketch_image_size 160 other than image_size 240 "
+                                         "applies to frozen backbones"):
+        make_config(finetune=True, sketch_image_size=160, **frozen)
+    assert make_config(finetune=True, sketch_image_size=240, **frozen).sketch_image_size == 240
 
 
 def test_unit_embeddings_values():

@@ -238,3 +238,30 @@ def test_a_graph_of_another_format_is_refused_then_exported_again(tmp_path, real
     assert path.read_bytes() == onnx_model  # replaced by the graph of this code
     with pytest.raises(EncoderMismatchError, match="flip_average=None"):  # no key: no default
         OnnxEncoder(with_metadata(onnx_model, flip_average=None), sha, flip_average=True)
+
+
+def test_sketches_at_their_own_size_export_and_serve_at_it(tmp_path, small_gallery,
+                                                          small_sketches):
+    # a checkpoint whose sketches are embedded at 48 px and photos at 64: each exported
+    # graph takes its modality's size and equals PyTorch, and the service's engine resizes
+    # query sketches to 48
+    path = init_checkpoint(tmp_path / "c.pt", modes=8, hidden=16, image_size=64,
+                           sketch_image_size=48, raw_dims=0)
+    e = Embedder.from_checkpoint(path, device="cpu")
+    assert (e.size_of("sketch"), e.size_of("photo"), e.image_size) == (48, 64, 64)
+    batch = sketch_batch(e, small_sketches)
+    assert tuple(batch.shape) == (6, 3, 48, 48)
+    for modality, x in (("sketch", batch), ("photo", e.preprocess(
+            [Image.open(io.BytesIO(b)) for b in small_sketches], "photo"))):
+        onnx = OnnxEncoder(export_encoder(e, modality), e.checkpoint_sha256, modality)
+        assert onnx.image_size == e.size_of(modality) == x.shape[-1]
+        with torch.no_grad():
+            want = e.encode(x, modality).numpy()
+        np.testing.assert_allclose(onnx(x), want, atol=ATOL, rtol=RTOL)
+    index = tmp_path / "index"
+    build_index(e, small_gallery, index, path, progress=False)
+    engine = load_engine(Settings(index=index, checkpoint=path, encoder="onnx"))
+    images = [Image.open(io.BytesIO(b)) for b in small_sketches]
+    got = engine.encoder(engine.embedder.preprocess(images, "sketch"))
+    np.testing.assert_allclose(got, e.embed(images, "sketch"), atol=ATOL, rtol=RTOL)
+    assert engine.decode_side == 2 * 48

@@ -17,7 +17,7 @@ from training import cli
 
 __all__ = ["Config", "PRESETS", "PRESET_REASONS", "METHODS", "NESTING_OF", "NESTING_WEIGHTS",
            "expansion", "fit_warnings", "nesting_weights", "smoothing", "make_config", "parse_args",
-           "to_dict", "from_dict"]
+           "sketch_size", "to_dict", "from_dict"]
 
 # CLI method name -> nesting of training.loss.nesting_masks
 NESTING_OF = {"neuralsvd-jnt": "joint", "neuralsvd-seq": "sequential", "lora": "none"}
@@ -58,6 +58,9 @@ class Config:
     backbone: str = "efficientnet-lite1"
     backbone_weights: str = ""  # local state-dict file; empty: packaged/torchvision weights
     image_size: int = 0  # 0: the backbone's native size (240 for lite1)
+    # the side sketches are embedded at (0: image_size). A query's backbone pass costs about
+    # the square of it; photos keep image_size. Frozen backbones only
+    sketch_image_size: int = 0
     method: str = "neuralsvd-jnt"  # neuralsvd-jnt | neuralsvd-seq | lora (no nesting)
     # neuralsvd-jnt only. harmonic: in the cpu preset's budget the paper's uniform weights
     # do not order the leading modes
@@ -263,7 +266,7 @@ def _check_numbers(cfg: Config) -> None:
     if cfg.raw_dims and not cfg.unit_embeddings:
         raise ValueError("raw_dims weighs a cosine against the unit-length embeddings; it "
                          "needs --unit-embeddings true (or --raw-dims 0)")
-    for name in ("trainable_stages", "workers", "image_size", "raw_dims"):
+    for name in ("trainable_stages", "workers", "image_size", "sketch_image_size", "raw_dims"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)!r}")
     for name in ("modes", "hidden", "epochs", "batch_size", "k"):
@@ -292,6 +295,12 @@ def _check(cfg: Config) -> Config:
         from .model.backbones import BACKBONES
 
         cfg = dataclasses.replace(cfg, image_size=BACKBONES[cfg.backbone].native_size)
+    if cfg.sketch_image_size == 0:
+        cfg = dataclasses.replace(cfg, sketch_image_size=cfg.image_size)
+    if cfg.finetune and cfg.sketch_image_size != cfg.image_size:
+        raise ValueError(f"sketch_image_size {cfg.sketch_image_size} other than image_size "
+                         f"{cfg.image_size} applies to frozen backbones; pass "
+                         "--sketch-image-size 0 with --finetune")
     return cfg
 
 
@@ -328,6 +337,12 @@ def parse_args(argv: list[str] | None = None) -> Config:
     return cfg
 
 
+def sketch_size(cfg: Config) -> int:
+    """The side sketches are embedded at: sketch_image_size, or image_size where it is 0
+    (a config read from a checkpoint written before the field)."""
+    return cfg.sketch_image_size or cfg.image_size
+
+
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
@@ -336,6 +351,7 @@ def to_dict(cfg: Config) -> dict:
 # Query expansion changes no trained weight (a runtime field): older models get today's.
 ADDED_LATER = {"instance_share": 0.0,  # the class kernel alone
                "raw_whiten": 0.0,  # plain PCA
+               "sketch_image_size": 0,  # image_size
                "expand_n": Config.expand_n, "expand_weight": Config.expand_weight}
 
 

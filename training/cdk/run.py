@@ -19,7 +19,7 @@ from training.files import atomic_write_text
 from training.folders import DataError
 
 from . import distributed
-from .config import Config, expansion, fit_warnings, smoothing, to_dict
+from .config import Config, expansion, fit_warnings, sketch_size, smoothing, to_dict
 from .data import Dataset, scan
 from .features import extract_features
 from .metrics import (
@@ -68,8 +68,8 @@ def run(cfg: Config, say: Callable[[str], None] = log.info) -> dict:
     t0 = time.perf_counter()
     # rank 0 fills the feature cache, the other ranks then read it
     tr_s, tr_p = distributed.main_first(
-        lambda: (_features(cfg, bbs["sketch"], tr.sketches, "train sketches", device),
-                 _features(cfg, bb, tr.photos, "train photos", device)))
+        lambda: (_features(cfg, "sketch", bbs["sketch"], tr.sketches, "train sketches", device),
+                 _features(cfg, "photo", bb, tr.photos, "train photos", device)))
     later = _evaluation_features_first(cfg, bbs, {"valid": va, "test": te}, device)
     per_image = (time.perf_counter() - t0) / max(1, len(tr.sketches) + len(tr.photos) + (
         0 if later else sum(len(d.sketches) + len(d.photos) for d in (va, te))))
@@ -99,7 +99,7 @@ def _evaluation_features_first(cfg: Config, bbs: dict, sets: dict[str, Dataset],
         return count
     for name, d in sets.items():
         distributed.main_first(lambda d=d, name=name: [
-            _features(cfg, bbs[m], files, f"{name} {m}s", device)
+            _features(cfg, m, bbs[m], files, f"{name} {m}s", device)
             for m, files in (("sketch", d.sketches), ("photo", d.photos))])
     return 0
 
@@ -169,12 +169,13 @@ def load_data(cfg: Config) -> tuple[dict, Dataset, Dataset, Dataset]:
     return split, tr, va, te
 
 
-def _features(cfg: Config, bb: Backbone, files, desc: str, device,
+def _features(cfg: Config, modality: str, bb: Backbone, files, desc: str, device,
               module=None) -> torch.Tensor:
-    """(N, D) backbone features of ``files`` through the on-disk cache; ``module``: a
-    fine-tuned backbone instead of the pretrained one."""
-    return extract_features(files, bb, cfg.image_size, cfg.cache_dir, module=module,
-                            device=device, desc=desc)
+    """(N, D) backbone features of ``modality``'s ``files`` (at its image size) through the
+    on-disk cache; ``module``: a fine-tuned backbone instead of the pretrained one."""
+    size = sketch_size(cfg) if modality == "sketch" else cfg.image_size
+    return extract_features(files, bb, size, cfg.cache_dir, module=module, device=device,
+                            desc=desc)
 
 
 def instance_pairs(cfg: Config, tr: Dataset) -> tuple[Config, np.ndarray | None]:
@@ -230,9 +231,10 @@ def embed_dataset(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, ds: D
     pretrained ones of ``bbs``, per modality); ``name`` labels the progress."""
     dev = next(res.heads["sketch"].parameters()).device
     tuned = res.backbones or {}
-    x_s = _features(cfg, bbs["sketch"], ds.sketches, f"{name} sketches", device,
+    x_s = _features(cfg, "sketch", bbs["sketch"], ds.sketches, f"{name} sketches", device,
                     tuned.get("sketch"))
-    x_p = _features(cfg, bbs["photo"], ds.photos, f"{name} photos", device, tuned.get("photo"))
+    x_p = _features(cfg, "photo", bbs["photo"], ds.photos, f"{name} photos", device,
+                    tuned.get("photo"))
     return (embed_features(res.heads["sketch"], x_s, dev),
             embed_features(res.heads["photo"], x_p, dev), x_s, x_p)
 
@@ -262,8 +264,8 @@ def evaluate(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, te: Datase
     L = cfg.modes  # the curves are those of the learned modes' prefixes
     curves = structure_curves(f[:, :L], g[:, :L], *labels, cfg.k)
     if res.backbones is not None:  # the baseline is the pretrained backbone, not the tuned one
-        te_s = _features(cfg, bbs["sketch"], te.sketches, "test sketches", device)
-        te_p = _features(cfg, bbs["photo"], te.photos, "test photos", device)
+        te_s = _features(cfg, "sketch", bbs["sketch"], te.sketches, "test sketches", device)
+        te_p = _features(cfg, "photo", bbs["photo"], te.photos, "test photos", device)
     gallery = stored_gallery(g, smoothing(cfg))  # smoothed once for both blocks below
     return Evaluation(
         f=f, g=g, gallery=gallery,

@@ -4,8 +4,9 @@ Layout (a dict saved with torch.save)::
 
     format: "sketchsvd-cdk", version: 2
     config: Config as a dict (how it was built; loaders need no flags)
-    backbone: {name, feature_dim, image_size, mean, std, finetuned, photo_flip_average,
-               sketch_flip_average, pooling}
+    backbone: {name, feature_dim, image_size, sketch_image_size, mean, std, finetuned,
+               photo_flip_average, sketch_flip_average, pooling} (sketch_image_size: the
+               side sketches are embedded at; absent in older files: image_size)
     backbones: {"sketch": state_dict, "photo": state_dict}   (shared storage if frozen)
     heads: {"sketch": state_dict, "photo": state_dict}, head_arch: {in_dim, hidden, modes, mu}
     singular_values: (modes,) float32, the CDK's Rayleigh quotients at the learned pairs
@@ -61,7 +62,8 @@ def save_checkpoint(
 ) -> Path:
     """Write a CDK checkpoint atomically. backbones / heads: one module per modality
     ("sketch", "photo"); the same module object for both is stored once. Each modality's
-    mirror averaging is the config's ``photo_flip_average`` / ``sketch_flip_average``."""
+    mirror averaging is the config's ``photo_flip_average`` / ``sketch_flip_average``, the
+    sketches' input side its ``sketch_image_size`` (0 or absent: ``image_size``)."""
     for name, d in (("backbones", backbones), ("heads", heads)):
         if set(d) != set(MODALITIES):
             raise ValueError(f"{name} must have keys {MODALITIES}, got {sorted(d)}")
@@ -84,6 +86,7 @@ def save_checkpoint(
             "name": backbone.name,
             "feature_dim": backbone.feature_dim,
             "image_size": int(image_size),
+            "sketch_image_size": int(config.get("sketch_image_size") or image_size),
             "mean": list(backbone.mean),
             "std": list(backbone.std),
             "finetuned": bool(finetuned),
@@ -170,18 +173,20 @@ def init_checkpoint(
     pooling: str = "gem",
     sketch_flip_average: bool | None = None,
     raw_dims: int | None = None,
+    sketch_image_size: int = 0,
 ) -> Path:
     """Write a complete but untrained checkpoint in seconds: real pretrained backbone
     weights, randomly initialised heads (seeded), singular values set to ones, and
     ``trained: False`` (also ``config["untrained"] = True``). For tests of loaders.
     ``sketch_flip_average`` None: sketches are mirror-averaged as photos are;
-    ``raw_dims`` None: the preset's raw coordinates (a seeded random projection)."""
+    ``raw_dims`` None: the preset's raw coordinates (a seeded random projection);
+    ``sketch_image_size`` 0: ``image_size``."""
     if sketch_flip_average is None:
         sketch_flip_average = photo_flip_average
     cfg = make_config(
         "cpu", backbone=backbone, modes=modes, hidden=hidden, seed=seed,
         backbone_weights=backbone_weights or "", image_size=image_size,
-        photo_flip_average=photo_flip_average, pooling=pooling,
+        sketch_image_size=sketch_image_size, photo_flip_average=photo_flip_average, pooling=pooling,
         sketch_flip_average=sketch_flip_average,
         **({} if raw_dims is None else {"raw_dims": raw_dims}),
     )

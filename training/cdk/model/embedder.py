@@ -47,7 +47,8 @@ class Embedder:
     """Sketch/photo embedder rebuilt from a checkpoint alone.
 
     Attributes: backbone (name), singular_values (modes,), config (dict),
-    checkpoint_sha256, device, image_size, trained, finetuned (the backbones were trained
+    checkpoint_sha256, device, image_size (the photos' input side), sketch_image_size
+    (the sketches'; ``size_of``), trained, finetuned (the backbones were trained
     with the heads), pooling (of the backbone's maps: avg or gem), photo_flip_average
     (photos averaged with their mirror image, as trained), trained_sketch_flip_average
     (sketches trained so), sketch_flip_average (sketches so averaged as queries are
@@ -62,6 +63,7 @@ class Embedder:
         meta = ckpt["backbone"]
         self.backbone: str = meta["name"]
         self.image_size: int = int(meta["image_size"])
+        self.sketch_image_size: int = int(meta.get("sketch_image_size") or self.image_size)
         self._mean, self._std = tuple(meta["mean"]), tuple(meta["std"])
         # features averaged with the mirror image's as trained; ``sketch_flip_average``
         # False embeds sketches alone even so (a query costs one backbone pass instead of
@@ -124,17 +126,22 @@ class Embedder:
         return cls(ckpt, sha256, device, source=str(path),
                    sketch_flip_average=sketch_flip_average)
 
-    def preprocess(self, images: list[Image.Image], modality: str) -> torch.Tensor:
-        """PIL images (any mode; transparent sketch pixels -> white) -> (N, 3, H, W) on device."""
+    def size_of(self, modality: str) -> int:
+        """The side ``modality``'s images are resized to (H = W) before the backbone."""
         _check_modality(modality)
-        x = images_to_tensor(images, self.image_size, self._mean, self._std)
+        return self.sketch_image_size if modality == "sketch" else self.image_size
+
+    def preprocess(self, images: list[Image.Image], modality: str) -> torch.Tensor:
+        """PIL images (any mode; transparent sketch pixels -> white) -> (N, 3, S, S) on
+        device, S = ``size_of(modality)``."""
+        x = images_to_tensor(images, self.size_of(modality), self._mean, self._std)
         return x.to(self.device)
 
-    def transform(self) -> Callable[[list[Image.Image]], torch.Tensor]:
+    def transform(self, modality: str = "photo") -> Callable[[list[Image.Image]], torch.Tensor]:
         """preprocess on the CPU as a picklable function (for DataLoader workers): PIL images
-        -> (N, 3, H, W) float32."""
-        return functools.partial(images_to_tensor, size=self.image_size, mean=self._mean,
-                                 std=self._std)
+        -> (N, 3, S, S) float32."""
+        return functools.partial(images_to_tensor, size=self.size_of(modality),
+                                 mean=self._mean, std=self._std)
 
     def backbone_of(self, modality: str) -> Backbone:
         """``modality``'s backbone (name, module, feature_dim) with the normalisation this

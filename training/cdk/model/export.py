@@ -87,7 +87,7 @@ def export_encoder(embedder, modality: str = "sketch") -> bytes:
     raw = embedder.raw_projection(modality)
     raw = None if raw is None else copy.deepcopy(raw).cpu().float()
     model = _Encoder(*(copy.deepcopy(m).cpu().float() for m in modules), unit, raw).eval()
-    size = embedder.image_size
+    size = embedder.size_of(modality)
     example = torch.zeros(2, 3, size, size)
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     program = torch.onnx.export(model, (example,), input_names=[INPUT], output_names=[OUTPUT],
