@@ -80,6 +80,7 @@ class InfoOut(BaseModel):
     encoder: str  # what embeds query sketches: onnxruntime or torch
     precision: str  # its arithmetic: fp32 or int8
     mirror_queries: bool  # each sketch averaged with its mirror image (two backbone passes)
+    sketch_size: int  # the side (px) query sketches are resized to before the encoder
     gallery_smoothing: dict  # the index's smoothing of photos ({k, weight, rounds}; {}: none)
     # each query expanded with its best photos ({n, weight, rescore}; {}: none)
     query_expansion: dict

@@ -31,6 +31,7 @@ def info(engine: EngineDep, settings: SettingsDep) -> InfoOut:
         encoder=engine.encoder.name,
         precision=engine.encoder.precision,
         mirror_queries=engine.embedder.sketch_flip_average,
+        sketch_size=engine.embedder.size_of("sketch"),
         gallery_smoothing=side.smoothing,
         query_expansion=({**engine.expansion.as_dict(), "rescore": engine.expand_rescore}
                          if engine.expansion.active else {}),

@@ -265,3 +265,10 @@ def test_sketches_at_their_own_size_export_and_serve_at_it(tmp_path, small_galle
     got = engine.encoder(engine.embedder.preprocess(images, "sketch"))
     np.testing.assert_allclose(got, e.embed(images, "sketch"), atol=ATOL, rtol=RTOL)
     assert engine.decode_side == 2 * 48
+    from fastapi.testclient import TestClient
+
+    from service.main import create_app
+
+    with TestClient(create_app(Settings(index=index, checkpoint=path, encoder="onnx"),
+                               loader=lambda s: engine)) as client:
+        assert client.get("/info").json()["sketch_size"] == 48
