@@ -34,7 +34,10 @@ class FakeEmbedder:
     def preprocess(self, images: list[Image.Image], modality: str) -> torch.Tensor:
         return thumbnails(images)
 
-    def transform(self):
+    def size_of(self, modality: str) -> int:
+        return 8  # thumbnails' side, both modalities
+
+    def transform(self, modality: str = "photo"):
         return thumbnails
 
     def backbone_features(self, batch: torch.Tensor, modality: str) -> torch.Tensor:

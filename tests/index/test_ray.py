@@ -31,7 +31,7 @@ class CrashOnce:
     def __call__(self):
         embedder = Embedder.from_checkpoint(self.checkpoint, device="cpu")
         crashing = functools.partial(crash_once, embedder.transform(), self.marker)
-        embedder.transform = lambda: crashing  # actors decode in their own process
+        embedder.transform = lambda modality="photo": crashing  # actors decode in their own process
         return embedder
 
 
