@@ -55,7 +55,7 @@ import torch
 
 from benchmarks.cdk_levers_bench import folds_of, similar_class_mixing
 from training.allocator import tune_allocator
-from training.cdk.config import Config, expansion, make_config, sketch_size, smoothing
+from training.cdk.config import Config, expansion, input_size, make_config, smoothing
 from training.cdk.data import scan
 from training.cdk.features import extract_features
 from training.cdk.metrics import (
@@ -475,9 +475,10 @@ def load_features(cfg: Config) -> dict:
     return {"classes": list(seen.classes), "all_classes": list(ds.classes),
             "sketch_labels": seen.sketch_labels, "photo_labels": seen.photo_labels,
             "photo_of": seen.instance_pairs(),
-            "sketch": extract_features(seen.sketches, sketch_bb, sketch_size(cfg), cache,
-                                       desc="sketches"),
-            "photo": extract_features(seen.photos, bb, cfg.image_size, cache, desc="photos")}
+            "sketch": extract_features(seen.sketches, sketch_bb, input_size(cfg, "sketch"),
+                                       cache, desc="sketches"),
+            "photo": extract_features(seen.photos, bb, input_size(cfg, "photo"), cache,
+                                      desc="photos")}
 
 
 COLUMNS = (("learned_map", "modes mAP"), ("learned_p", "modes P@k"),

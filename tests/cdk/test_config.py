@@ -10,9 +10,9 @@ from training.cdk.config import (
     PRESETS,
     Config,
     from_dict,
+    input_size,
     make_config,
     parse_args,
-    sketch_size,
     to_dict,
 )
 
@@ -151,7 +151,7 @@ def test_from_dict_round_trips_and_refuses_configs_of_other_code():
     # a checkpoint from before the sketches' own size embedded them at image_size
     earlier = {k: v for k, v in to_dict(default).items() if k != "sketch_image_size"}
     assert from_dict(earlier).sketch_image_size == 0
-    assert sketch_size(from_dict(earlier)) == default.image_size == 240
+    assert input_size(from_dict(earlier), "sketch") == default.image_size == 240
     # query expansion trains nothing: a checkpoint from before it gets today's
     earlier = {k: v for k, v in to_dict(default).items() if not k.startswith("expand_")}
     assert (from_dict(earlier).expand_n, from_dict(earlier).expand_weight) == (5, 0.5)
@@ -184,7 +184,8 @@ def test_sketch_image_size_values():
     assert make_config().sketch_image_size == make_config().image_size == 240
     assert make_config(image_size=200).sketch_image_size == 200
     c = make_config(sketch_image_size=160)
-    assert (c.image_size, c.sketch_image_size, sketch_size(c)) == (240, 160, 160)
+    assert (c.image_size, c.sketch_image_size) == (240, 160)
+    assert (input_size(c, "sketch"), input_size(c, "photo")) == (160, 240)
     with pytest.raises(ValueError, match="sketch_image_size must be >= 0"):
         make_config(sketch_image_size=-1)
     frozen = {"photo_flip_average": False, "raw_dims": 0}

@@ -17,7 +17,7 @@ from training import cli
 
 __all__ = ["Config", "PRESETS", "PRESET_REASONS", "METHODS", "NESTING_OF", "NESTING_WEIGHTS",
            "expansion", "fit_warnings", "nesting_weights", "smoothing", "make_config", "parse_args",
-           "sketch_size", "to_dict", "from_dict"]
+           "input_size", "to_dict", "from_dict"]
 
 # CLI method name -> nesting of training.loss.nesting_masks
 NESTING_OF = {"neuralsvd-jnt": "joint", "neuralsvd-seq": "sequential", "lora": "none"}
@@ -337,10 +337,13 @@ def parse_args(argv: list[str] | None = None) -> Config:
     return cfg
 
 
-def sketch_size(cfg: Config) -> int:
-    """The side sketches are embedded at: sketch_image_size, or image_size where it is 0
-    (a config read from a checkpoint written before the field)."""
-    return cfg.sketch_image_size or cfg.image_size
+def input_size(cfg: Config, modality: str) -> int:
+    """The side ``modality``'s images are resized to: image_size for photos; for sketches
+    sketch_image_size, or image_size where it is 0 (a config read from a checkpoint written
+    before the field). The Embedder's ``size_of`` is the same rule on a checkpoint."""
+    if modality == "sketch" and cfg.sketch_image_size:
+        return cfg.sketch_image_size
+    return cfg.image_size
 
 
 def to_dict(cfg: Config) -> dict:

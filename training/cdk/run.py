@@ -19,7 +19,7 @@ from training.files import atomic_write_text
 from training.folders import DataError
 
 from . import distributed
-from .config import Config, expansion, fit_warnings, sketch_size, smoothing, to_dict
+from .config import Config, expansion, fit_warnings, input_size, smoothing, to_dict
 from .data import Dataset, scan
 from .features import extract_features
 from .metrics import (
@@ -173,9 +173,8 @@ def _features(cfg: Config, modality: str, bb: Backbone, files, desc: str, device
               module=None) -> torch.Tensor:
     """(N, D) backbone features of ``modality``'s ``files`` (at its image size) through the
     on-disk cache; ``module``: a fine-tuned backbone instead of the pretrained one."""
-    size = sketch_size(cfg) if modality == "sketch" else cfg.image_size
-    return extract_features(files, bb, size, cfg.cache_dir, module=module, device=device,
-                            desc=desc)
+    return extract_features(files, bb, input_size(cfg, modality), cfg.cache_dir,
+                            module=module, device=device, desc=desc)
 
 
 def instance_pairs(cfg: Config, tr: Dataset) -> tuple[Config, np.ndarray | None]:
