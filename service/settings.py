@@ -49,7 +49,7 @@ class Settings(BaseSettings):
     mirror_queries: bool | None = Field(
         default=None, description="None: sketches embedded as the checkpoint was trained "
         "(the cpu preset embeds each sketch alone, one backbone pass; a checkpoint trained "
-        "with --flip-average-sketches averages it with its mirror image: two passes); "
+        "with --sketch-flip-average averages it with its mirror image: two passes); "
         "false: the sketch alone even then (x1.6 queries/s on the CPU)")
     threads: int = Field(default=1, ge=1, description="torch/FAISS threads per inference")
     inference_slots: int = Field(default=2, ge=1, description="retrievals computing at once "

@@ -165,8 +165,8 @@ def paper(problem: Problem) -> dict:
 
 
 def cpu(problem: Problem) -> dict:
-    """Minutes on 2 CPU cores (hydrogen ~2.5, the 2D oscillator ~5, hydrogen-3d and the 10D
-    oscillator under 20): K = 64, 3 x 64 MLPs, lr 2e-3, 12,000 steps of 256 and a
+    """Minutes on a CPU (on 2 cores, one thread: hydrogen about 5.5, the 10D oscillator 11,
+    hydrogen-3d 14; docs/operators.md): K = 64, 3 x 64 MLPs, lr 2e-3, 12,000 steps of 256 and a
     Rayleigh-Ritz step, then the problem's own values (its sampling, kappa, length)."""
     return {**CPU, **problem.presets.get("cpu", {})}
 
