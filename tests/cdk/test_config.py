@@ -168,19 +168,6 @@ def test_input_dropout_values():
             make_config(input_dropout=bad)
 
 
-def test_mixup_values():
-    assert Config().mixup == 0.0 and make_config("paper").mixup == 0.0
-    assert make_config(mixup=1.0).mixup == 1.0
-    for bad in (-0.5, float("nan")):
-        with pytest.raises(ValueError, match="mixup must be >= 0"):
-            make_config(mixup=bad)
-    with pytest.raises(ValueError, match="mixup applies to frozen backbones; pass --mixup 0"):
-        make_config(finetune=True, mixup=1.0, photo_flip_average=False, raw_dims=0)
-    older = to_dict(make_config())
-    del older["mixup"]
-    assert from_dict(older).mixup == 0.0  # written before the field: trained without it
-
-
 def test_mirror_averaging_is_chosen_per_modality():
     assert Config().photo_flip_average and not Config().sketch_flip_average
     both = make_config(sketch_flip_average=True)

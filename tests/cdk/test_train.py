@@ -25,9 +25,8 @@ def _heads(path):
     return ck["heads"], ck
 
 
-@pytest.mark.parametrize("mixup", [0.0, 1.0])
-def test_ddp_two_processes_equal_one(tmp_path, mixup):
-    cfg = _cfg(tmp_path, mixup=mixup)
+def test_ddp_two_processes_equal_one(tmp_path):
+    cfg = _cfg(tmp_path)
     single = train_mod.train(cfg, synthetic_data(), synthetic_backbone(), tmp_path / "one")
     mp.spawn(ddp_worker, args=(2, str(tmp_path / "init"), cfg, str(tmp_path / "ddp")),
              nprocs=2, join=True)
@@ -159,53 +158,6 @@ def test_input_dropout_changes_training(tmp_path):
     runs = [train_mod.train(_cfg(tmp_path, input_dropout=p), data, synthetic_backbone(),
                             tmp_path / str(p)).heads["sketch"].state_dict()["mlp.0.weight"]
             for p in (0.0, 0.3)]
-    assert not torch.allclose(*runs)
-
-
-def test_mixup_draws_one_permutation_and_weights_per_global_batch():
-    s, p = torch.arange(8) + 100, torch.arange(8) + 200
-    off = train_mod.Mixup(0.0, slice(0, 8))
-    assert [t.tolist() for t in off.split(s, p)] == [s.tolist(), p.tolist()]
-    whole = train_mod.Mixup(1.0, slice(0, 8))
-    halves = [train_mod.Mixup(1.0, slice(0, 4)), train_mod.Mixup(1.0, slice(4, 8))]
-    for m in (whole, *halves):
-        m.reseed(7)
-    full = whole.split(s, p)
-    parts = [m.split(s, p) for m in halves]
-    for i in range(5):  # two ranks' rows are the single process's, split
-        torch.testing.assert_close(torch.cat([parts[0][i], parts[1][i]]), full[i])
-    s_, p_, s2, p2, lam = full
-    assert sorted(s2.tolist()) == s.tolist()  # a permutation of the batch ...
-    assert torch.equal(p2 - 200, s2 - 100)  # ... moving each pair whole
-    assert ((lam >= 0.5) & (lam <= 1.0)).all() and lam.std() > 0
-    whole.reseed(7)
-    torch.testing.assert_close(whole.split(s, p)[4], lam)  # reseeding draws the same
-    assert not torch.equal(whole.split(s, p)[4], lam)  # the next batch draws anew
-
-
-def test_feature_inputs_mix_the_pairs_features():
-    from training.cdk.inputs import FeatureInputs
-
-    g = torch.Generator().manual_seed(0)
-    feats = {"sketch": torch.randn(6, 3, generator=g), "photo": torch.randn(6, 3, generator=g)}
-    inputs = FeatureInputs(feats, None)
-    s, p = torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5])
-    s2, p2, lam = torch.tensor([2, 0, 1]), torch.tensor([5, 3, 4]), torch.tensor([1.0, 0.5, 0.75])
-    (xs, ys), = inputs.steps([(s, p, s2, p2, lam)], 0)
-    for b in range(3):
-        w = lam[b].item()
-        sk, ph = feats["sketch"], feats["photo"]
-        torch.testing.assert_close(xs[b], w * sk[s[b]] + (1 - w) * sk[s2[b]])
-        torch.testing.assert_close(ys[b], w * ph[p[b]] + (1 - w) * ph[p2[b]])
-    (xs, ys), = inputs.steps([(s, p)], 0)  # without mixup: the rows themselves
-    assert torch.equal(xs, feats["sketch"][s]) and torch.equal(ys, feats["photo"][p])
-
-
-def test_mixup_changes_training(tmp_path):
-    data = synthetic_data()
-    runs = [train_mod.train(_cfg(tmp_path, mixup=a), data, synthetic_backbone(),
-                            tmp_path / str(a)).heads["sketch"].state_dict()["mlp.0.weight"]
-            for a in (0.0, 1.0)]
     assert not torch.allclose(*runs)
 
 

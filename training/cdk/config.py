@@ -92,12 +92,6 @@ class Config:
     # dropout of the heads' standardised input features while training (embedding is
     # unaffected)
     input_dropout: float = 0.3
-    # mixup of the training pairs: each step, pair b of the batch becomes lam (x_b, y_b) +
-    # (1 - lam) (x_pi(b), y_pi(b)) in feature space (pi a permutation of the batch, lam =
-    # max(u, 1 - u), u ~ Beta(mixup, mixup)), so the heads learn the CDK of the mixed
-    # pairs; the modes are still sorted on the real pairs. 0: off. Frozen backbones only.
-    # On the class folds it raises the d = 16 share (docs/retrieval-training.md)
-    mixup: float = 0.0
     # embeddings scaled to unit length wherever they are used for retrieval (evaluation,
     # index, service), so the full score is a cosine; the learned functions and their
     # singular values are not
@@ -254,7 +248,7 @@ def _check_finetune(cfg: Config) -> None:
     frozen_only = {"photo_flip_average": "--photo-flip-average false (fine-tuning augments "
                                          "with flips)",
                    "sketch_flip_average": "--sketch-flip-average false",
-                   "raw_dims": "--raw-dims 0", "mixup": "--mixup 0"}
+                   "raw_dims": "--raw-dims 0"}
     for name, instead in frozen_only.items():
         if cfg.finetune and getattr(cfg, name):
             raise ValueError(f"{name} applies to frozen backbones; pass {instead} with "
@@ -286,8 +280,6 @@ def _check_numbers(cfg: Config) -> None:
         raise ValueError(f"raw_whiten must be in [0, 1], got {cfg.raw_whiten!r}")
     if not 0.0 <= cfg.input_dropout < 1.0:
         raise ValueError(f"input_dropout must be in [0, 1), got {cfg.input_dropout!r}")
-    if not cfg.mixup >= 0.0:  # also refuses NaN
-        raise ValueError(f"mixup must be >= 0 (0: off), got {cfg.mixup!r}")
     for name in ("lr", "mu", "raw_weight"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name} must be positive, got {getattr(cfg, name)!r}")
@@ -363,7 +355,6 @@ def to_dict(cfg: Config) -> dict:
 ADDED_LATER = {"instance_share": 0.0,  # the class kernel alone
                "raw_whiten": 0.0,  # plain PCA
                "sketch_image_size": 0,  # image_size
-               "mixup": 0.0,  # off
                "expand_n": Config.expand_n, "expand_weight": Config.expand_weight}
 
 

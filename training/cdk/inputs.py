@@ -67,18 +67,10 @@ class FeatureInputs:
         self.feats, self.device = feats, feats["sketch"].device
 
     def steps(self, batches, epoch: int):
-        """(sketch features, photo features) of each (sketch idx, photo idx) batch; a batch
-        of (s, p, partner s, partner p, lam) gives lam x + (1 - lam) x_partner per row
-        (train.Mixup)."""
-        for batch in batches:
-            s, p = batch[0].to(self.device), batch[1].to(self.device)
-            xs, ys = self.feats["sketch"][s], self.feats["photo"][p]
-            if len(batch) == 5:
-                s2, p2, lam = (t.to(self.device) for t in batch[2:])
-                lam = lam[:, None].to(xs.dtype)
-                xs = lam * xs + (1 - lam) * self.feats["sketch"][s2]
-                ys = lam * ys + (1 - lam) * self.feats["photo"][p2]
-            yield xs, ys
+        """(sketch features, photo features) of each (sketch idx, photo idx) batch."""
+        for s, p in batches:
+            s, p = s.to(self.device), p.to(self.device)
+            yield self.feats["sketch"][s], self.feats["photo"][p]
 
     def outputs(self, model: PairModel, seed: int, sampler):
         """([(S, modes), (P, modes)] on every training image, {modality: None} (all rows))."""

@@ -95,32 +95,6 @@ class InputDropout:
         return tuple((m[self.rows].float() / keep).to(self.device) for m in masks)
 
 
-class Mixup:
-    """Mixup of a global batch's pairs (``--mixup`` alpha): pair b becomes lam_b (x_b, y_b)
-    + (1 - lam_b) (x_pi(b), y_pi(b)), pi a permutation of the batch and lam = max(u, 1 - u),
-    u ~ Beta(alpha, alpha), so each mixed pair stays nearer its own. Drawn for all rows from
-    this object's own generator and sliced to this rank's ``rows``, like InputDropout; the
-    features are mixed by ``FeatureInputs.steps``."""
-
-    def __init__(self, alpha: float, rows: slice):
-        self.alpha, self.rows = alpha, rows
-        self.rng = np.random.default_rng(0)
-
-    def reseed(self, seed: int) -> None:
-        self.rng = np.random.default_rng(seed)
-
-    def split(self, s: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """A global batch's (sketch idx, photo idx) -> this rank's rows: (s, p), or with
-        mixup (s, p, partner s, partner p, lam (rows,))."""
-        r = self.rows
-        if self.alpha == 0:
-            return s[r], p[r]
-        perm = torch.from_numpy(self.rng.permutation(len(s)))
-        u = self.rng.beta(self.alpha, self.alpha, size=len(s))
-        lam = torch.from_numpy(np.maximum(u, 1.0 - u)).float()
-        return s[r], p[r], s[perm][r], p[perm][r], lam[r]
-
-
 class Step:
     """One optimiser step on a batch: ``step(xs, ys)`` -> the objective's value. ``module``
     maps (xs, ys, dropout scales) to (f, g) (the PairModel, or its DDP wrapper); the loss
@@ -270,13 +244,11 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
         model, device_ids=[device.index] if device.type == "cuda" else None)
     rows = slice(rank * (B // world), (rank + 1) * (B // world))  # this rank's slice
     dropout = InputDropout(cfg.input_dropout, backbone.feature_dim, B, rows, device)
-    mixup = Mixup(cfg.mixup, rows)
     step = Step(ddp, model.parameters(), masks, opt, sched, cfg.grad_clip, dropout, device,
                 world, rank)
 
     def batches(epoch):
-        mixup.reseed(cfg.seed * 1_000_003 + epoch + 700_001)  # its own stream, resumable
-        return [mixup.split(s, p) for s, p in sampler.epoch(cfg.seed, epoch, cfg.batch_size)]
+        return [(s[rows], p[rows]) for s, p in sampler.epoch(cfg.seed, epoch, cfg.batch_size)]
 
     if estimate is not None and start < cfg.epochs:
         t_step, t_spectrum = _measure(model, masks, inputs, batches(start), cfg.grad_clip,
