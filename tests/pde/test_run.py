@@ -172,7 +172,7 @@ def test_bool_flags_and_help(capsys):
     out = capsys.readouterr().out
     for f in dataclasses.fields(Config):
         assert f.name == "problem" or "--" + f.name.replace("_", "-") in out
-    assert "--preset" in out and "cpu: Minutes on 2 CPU cores" in out
+    assert "--preset" in out and "cpu: Minutes on a CPU (on 2 cores, one thread" in out
 
 
 def test_the_forward_laplacian_trains_end_to_end_and_keeps_fp32(tmp_path):
