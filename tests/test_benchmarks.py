@@ -184,6 +184,41 @@ def test_kernel_conditionals_and_their_limits():
     assert float(off.min()) > 0 and float(off.max() - off.min()) > 0.01  # the names decide
 
 
+def test_neighbour_kernel_is_brute_force_nearest_photos():
+    """Each sketch's row is uniform over the k photos nearest its own photo by centred
+    cosine, found here by sorting every pair; k = 1 is the instance kernel."""
+    import torch
+
+    from benchmarks.cdk_kernel_bench import (
+        class_conditional,
+        conditional,
+        instance_conditional,
+        neighbour_conditional,
+    )
+
+    sl, pl, photo_of = _kernel_labels(4)
+    feats = torch.randn(8, 5, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(neighbour_conditional(photo_of, feats, 1),
+                               instance_conditional(photo_of, 8))
+    q = neighbour_conditional(photo_of, feats, 3)
+    z = feats.double() - feats.double().mean(0)
+    for i, own in enumerate(photo_of):
+        cos = [float(z[own] @ z[j] / (z[own].norm() * z[j].norm())) for j in range(8)]
+        near = sorted(range(8), key=lambda j: (j != own, -cos[j]))[:3]
+        expect = torch.zeros(8, dtype=torch.float64)
+        expect[near] = 1 / 3
+        torch.testing.assert_close(q[i], expect)
+    assert len({int(pl[j]) for j in q.nonzero()[:, 1]}) > 1  # it crosses classes
+    data = {"sketch_labels": sl, "photo_labels": pl, "photo_of": photo_of, "photo": feats}
+    mixed = conditional({"instance": 0.3, "neighbour": (0.2, 3)}, data)
+    torch.testing.assert_close(mixed, 0.5 * class_conditional(sl, pl)
+                               + 0.3 * instance_conditional(photo_of, 8) + 0.2 * q)
+    with pytest.raises(ValueError, match="at most 1"):
+        conditional({"instance": 0.9, "neighbour": (0.2, 3)}, data)
+    with pytest.raises(ValueError, match="k must be"):
+        neighbour_conditional(photo_of, feats, 9)
+
+
 def test_kernel_sampler_draws_from_its_matrix_and_its_quotients_are_the_cdk_ones():
     """Pairs counted over many epochs follow cond; the quotients equal the definition
     written out over all (sketch, photo) pairs, and for the class kernel (uniform
