@@ -32,7 +32,9 @@ no test-class image is read. "service" here is the smoothed gallery without quer
 expansion; `--expansion-grid` scores the saved heads with each query expansion of
 EXPANSION_GRID (training.cdk.model.smoothing.Expansion) without training again, and
 `--raw-grid` with each raw-coordinate whitening and weight of RAW_GRID (queries expanded
-as the preset expands them).
+as the preset expands them). `--per-class N` trains on the first N sketches and N photos
+of each training class only (and the photos those sketches were drawn from), scored on the
+same held-out rows: how the modes grow with the training images.
 
     python -m benchmarks.cdk_kernel_bench --data ../shared/data/sketchy-mini \\
         --kernels class "instance 0.3" --out runs/cdk-kernels --threads 1
@@ -320,6 +322,32 @@ def held_out_masks(F: dict, parts: dict) -> tuple[tuple, tuple]:
         [index[c] for c in parts[w]] for w in ("train", "valid")))
 
 
+def fewer_images(F: dict, parts: dict, n: int) -> dict:
+    """F with each training class of ``parts`` cut to its first n sketches and first n
+    photos, plus the photos those sketches were drawn from (so every instance pair stays);
+    the held-out classes keep every row."""
+    if n < 1:
+        raise ValueError(f"--per-class must be at least 1, got {n}")
+    sl, pl = np.asarray(F["sketch_labels"]), np.asarray(F["photo_labels"])
+    po = np.asarray(F["photo_of"])
+    train = [F["classes"].index(c) for c in parts["train"]]
+
+    def first_n(labels):
+        rank = np.zeros(len(labels), dtype=np.int64)
+        for c in np.unique(labels):
+            rows = np.flatnonzero(labels == c)
+            rank[rows] = np.arange(len(rows))
+        return ~np.isin(labels, train) | (rank < n)
+
+    keep_s, keep_p = first_n(sl), first_n(pl)
+    keep_p[po[keep_s]] = True
+    new_row = np.cumsum(keep_p) - 1
+    return {**F, "sketch_labels": sl[keep_s], "photo_labels": pl[keep_p],
+            "photo_of": new_row[po[keep_s]],
+            "sketch": F["sketch"][torch.as_tensor(keep_s)],
+            "photo": F["photo"][torch.as_tensor(keep_p)]}
+
+
 def held_out_rows(F: dict, parts: dict, name: str, class_emb=None):
     """(training rows (sketches, photos), held-out rows, the sampler of kernel
     KERNELS[name] on the training rows): boolean masks over F's rows for the classes
@@ -516,12 +544,15 @@ COLUMNS = (("learned_map", "modes mAP"), ("learned_p", "modes P@k"),
 def report(results: list[dict]) -> str:
     """Markdown table per kernel: the folds' mean and min, the validation classes, and
     the folds' mean paired difference from the class kernel in service mAP."""
-    base = {(r["set"], r["seed"]): r for r in results if r["kernel"] == "class"}
+    def kernel_of(r):  # runs on fewer training images are rows of their own
+        return r["kernel"] + (f", {r['per_class']} per class" if r.get("per_class") else "")
+
+    base = {(r["set"], r["seed"]): r for r in results if kernel_of(r) == "class"}
     head = " | ".join(c for _, c in COLUMNS)
     lines = [f"| kernel | held out | runs | {head} | paired service mAP vs class |",
              "|---" * (len(COLUMNS) + 4) + "|"]
-    for name in dict.fromkeys(r["kernel"] for r in results):
-        rs = [r for r in results if r["kernel"] == name]
+    for name in dict.fromkeys(map(kernel_of, results)):
+        rs = [r for r in results if kernel_of(r) == name]
         folds = [r for r in rs if r["set"] != "valid"]
         valid = [r for r in rs if r["set"] == "valid"]
         for label, group, how in (("folds mean", folds, np.mean), ("folds min", folds, np.min),
@@ -575,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="score the saved heads (OUT/heads) of --kernels and --seeds with every "
                          "raw-coordinate whitening and weight of RAW_GRID, to OUT/raw.jsonl, "
                          "and print the table (no training)")
+    ap.add_argument("--per-class", type=int, default=None, metavar="N",
+                    help="train on the first N sketches and N photos of each training class "
+                         "(held-out classes keep all theirs); rows record it")
     ap.add_argument("--report", action="store_true",
                     help="print the table of OUT/results.jsonl and exit")
     args = ap.parse_args(argv)
@@ -603,12 +637,15 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     done = set()
     if results_file.is_file():
-        done = {(r["kernel"], r["set"], r["seed"]) for r in map(
+        done = {(r["kernel"], r["set"], r["seed"], r.get("per_class")) for r in map(
             json.loads, results_file.read_text().splitlines())}
     emb = None
     if any("semantic" in KERNELS[k] for k in args.kernels):
         names = [c for c in F["classes"]]  # the non-test classes; each run takes its own
         emb = dict(zip(names, text_embeddings(names, out / "text_embeddings.pt"), strict=True))
+    if args.per_class is not None and (args.expansion_grid or args.raw_grid or args.spectra):
+        ap.error("--per-class is for training runs (not --expansion-grid, --raw-grid, "
+                 "--spectra)")
     for flag, rows_of, file, knobs, base in (
             (args.expansion_grid, expansion_rows, "expansion.jsonl", ("n", "weight"), (0, 0.25)),
             (args.raw_grid, raw_rows, "raw.jsonl", ("whiten", "weight"), (0.0, 1.0))):
@@ -629,12 +666,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(row), flush=True)
                 continue
             for seed in args.seeds:
-                if (name, set_name, seed) in done:
+                if (name, set_name, seed, args.per_class) in done:
                     continue
-                r = run_kernel(dataclasses.replace(cfg, seed=seed), F, name, parts, emb)
+                G = F if args.per_class is None else fewer_images(F, parts, args.per_class)
+                r = run_kernel(dataclasses.replace(cfg, seed=seed), G, name, parts, emb)
                 r["set"] = set_name
+                if args.per_class is not None:
+                    r["per_class"] = args.per_class
                 (out / "heads").mkdir(exist_ok=True)  # for later looks without retraining
-                torch.save(r.pop("heads"), out / "heads" / f"{name}-{set_name}-{seed}.pt")
+                tail = "" if args.per_class is None else f"-per-class-{args.per_class}"
+                torch.save(r.pop("heads"), out / "heads" / f"{name}-{set_name}-{seed}{tail}.pt")
                 with open(results_file, "a") as fh:
                     fh.write(json.dumps(r) + "\n")
                 print(f"{name:<34} {set_name:<6} seed {seed}: modes {r['learned_map']:.3f} / "

@@ -219,6 +219,34 @@ def test_neighbour_kernel_is_brute_force_nearest_photos():
         neighbour_conditional(photo_of, feats, 9)
 
 
+def test_fewer_images_keeps_the_first_n_of_training_classes_and_every_pair():
+    """Training classes keep their first n sketches and photos and the photos those
+    sketches were drawn from; held-out classes keep every row; each kept sketch still
+    points at its own photo's features."""
+    import numpy as np
+    import torch
+
+    from benchmarks.cdk_kernel_bench import fewer_images
+
+    # classes 0 and 1 train, 2 held out; 4 photos a class; sketch rows drawn from photos
+    photo_labels = np.repeat([0, 1, 2], 4)
+    photo_of = np.array([3, 0, 1, 1, 4, 7, 8, 9, 10])
+    F = {"classes": ["a", "b", "c"], "sketch_labels": photo_labels[photo_of],
+         "photo_labels": photo_labels, "photo_of": photo_of,
+         "photo": torch.arange(12.0)[:, None], "sketch": torch.arange(9.0)[:, None] + 100}
+    G = fewer_images(F, {"train": ["a", "b"], "valid": ["c"]}, 2)
+    # class a: sketches 0, 1 (of photos 3, 0); photos 0, 1 and 3. Class b: sketches 4, 5
+    # (photos 4, 7); photos 4, 5 and 7. Class c: everything.
+    assert G["sketch"].flatten().tolist() == [100, 101, 104, 105, 106, 107, 108]
+    assert G["photo"].flatten().tolist() == [0, 1, 3, 4, 5, 7, 8, 9, 10, 11]
+    own = G["photo"][torch.as_tensor(G["photo_of"])].flatten().tolist()
+    assert own == [3, 0, 4, 7, 8, 9, 10]  # the same photos as before
+    assert list(G["photo_labels"]) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 2]
+    assert list(G["sketch_labels"]) == [0, 0, 1, 1, 2, 2, 2]
+    with pytest.raises(ValueError, match="at least 1"):
+        fewer_images(F, {"train": ["a"], "valid": ["c"]}, 0)
+
+
 def test_kernel_sampler_draws_from_its_matrix_and_its_quotients_are_the_cdk_ones():
     """Pairs counted over many epochs follow cond; the quotients equal the definition
     written out over all (sketch, photo) pairs, and for the class kernel (uniform
@@ -382,6 +410,14 @@ def test_kernel_bench_runs_end_to_end_on_tiny_data(tmp_path, capsys):
             assert r["service_map"] == pytest.approx(at_preset[r["set"]]["service_map"],
                                                      abs=1e-6)
     assert "| class | 0.5 | 2.0 |" in capsys.readouterr().out
+    # fewer training images: a row of its own, in the report under its own name
+    assert main([*args, "--kernels", "class", "--sets", "valid", "--per-class", "2"]) == 0
+    last = json.loads((out / "results.jsonl").read_text().splitlines()[-1])
+    assert (last["kernel"], last["set"], last["per_class"]) == ("class", "valid", 2)
+    assert (out / "heads" / "class-valid-0-per-class-2.pt").is_file()
+    capsys.readouterr()
+    assert main(["--out", str(out), "--report"]) == 0
+    assert "| class, 2 per class | valid | 1 |" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")
