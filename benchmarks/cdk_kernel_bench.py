@@ -612,6 +612,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", action="store_true",
                     help="print the table of OUT/results.jsonl and exit")
     args = ap.parse_args(argv)
+    if args.per_class is not None and (args.expansion_grid or args.raw_grid or args.spectra):
+        ap.error("--per-class is for training runs (not --expansion-grid, --raw-grid, "
+                 "--spectra)")
+    if args.per_class is not None and args.per_class < 1:
+        ap.error(f"--per-class must be at least 1, got {args.per_class}")
     out = Path(args.out)
     results_file = out / "results.jsonl"
     if args.report:
@@ -643,9 +648,6 @@ def main(argv: list[str] | None = None) -> int:
     if any("semantic" in KERNELS[k] for k in args.kernels):
         names = [c for c in F["classes"]]  # the non-test classes; each run takes its own
         emb = dict(zip(names, text_embeddings(names, out / "text_embeddings.pt"), strict=True))
-    if args.per_class is not None and (args.expansion_grid or args.raw_grid or args.spectra):
-        ap.error("--per-class is for training runs (not --expansion-grid, --raw-grid, "
-                 "--spectra)")
     for flag, rows_of, file, knobs, base in (
             (args.expansion_grid, expansion_rows, "expansion.jsonl", ("n", "weight"), (0, 0.25)),
             (args.raw_grid, raw_rows, "raw.jsonl", ("whiten", "weight"), (0.0, 1.0))):

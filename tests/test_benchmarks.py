@@ -410,7 +410,12 @@ def test_kernel_bench_runs_end_to_end_on_tiny_data(tmp_path, capsys):
             assert r["service_map"] == pytest.approx(at_preset[r["set"]]["service_map"],
                                                      abs=1e-6)
     assert "| class | 0.5 | 2.0 |" in capsys.readouterr().out
-    # fewer training images: a row of its own, in the report under its own name
+    # fewer training images: a row of its own, in the report under its own name; refused
+    # with the grids (they rebuild the saved heads' training rows) before any work
+    for bad in (["--per-class", "2", "--raw-grid"], ["--per-class", "0"]):
+        with pytest.raises(SystemExit):
+            main([*args, *bad])
+    assert "--per-class" in capsys.readouterr().err
     assert main([*args, "--kernels", "class", "--sets", "valid", "--per-class", "2"]) == 0
     last = json.loads((out / "results.jsonl").read_text().splitlines()[-1])
     assert (last["kernel"], last["set"], last["per_class"]) == ("class", "valid", 2)
