@@ -61,7 +61,7 @@ import torch
 from benchmarks.cdk_levers_bench import folds_of, similar_class_mixing
 from training.allocator import tune_allocator
 from training.cdk.config import Config, expansion, input_size, make_config, smoothing
-from training.cdk.data import scan
+from training.cdk.data import rank_in_class, scan
 from training.cdk.features import extract_features
 from training.cdk.metrics import (
     retrieval_metrics,
@@ -333,10 +333,7 @@ def fewer_images(F: dict, parts: dict, n: int) -> dict:
     train = [F["classes"].index(c) for c in parts["train"]]
 
     def first_n(labels):
-        rank = np.zeros(len(labels), dtype=np.int64)
-        for c in np.unique(labels):
-            rows = np.flatnonzero(labels == c)
-            rank[rows] = np.arange(len(rows))
+        rank = rank_in_class(torch.as_tensor(labels, dtype=torch.long)).numpy()
         return ~np.isin(labels, train) | (rank < n)
 
     keep_s, keep_p = first_n(sl), first_n(pl)
@@ -667,10 +664,10 @@ def main(argv: list[str] | None = None) -> int:
                     fh.write(json.dumps(row) + "\n")
                 print(json.dumps(row), flush=True)
                 continue
+            G = F if args.per_class is None else fewer_images(F, parts, args.per_class)
             for seed in args.seeds:
                 if (name, set_name, seed, args.per_class) in done:
                     continue
-                G = F if args.per_class is None else fewer_images(F, parts, args.per_class)
                 r = run_kernel(dataclasses.replace(cfg, seed=seed), G, name, parts, emb)
                 r["set"] = set_name
                 if args.per_class is not None:

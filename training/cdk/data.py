@@ -269,11 +269,17 @@ class PairSampler:
         return g_bar / n.clamp_min(1)[:, None], n
 
 
-def _alternate(labels: torch.Tensor) -> torch.Tensor:
-    """(N,) class labels -> (N,) 0/1: the rank of each row within its class, modulo 2."""
+def rank_in_class(labels: torch.Tensor) -> torch.Tensor:
+    """(N,) class labels -> (N,) the rank of each row among the rows of its class, in row
+    order (0 for the first)."""
     rank = torch.empty_like(labels)
     order = torch.argsort(labels, stable=True)
     sorted_labels = labels[order]
     first = torch.searchsorted(sorted_labels, sorted_labels)  # where each class starts
     rank[order] = torch.arange(len(labels)) - first
-    return rank % 2
+    return rank
+
+
+def _alternate(labels: torch.Tensor) -> torch.Tensor:
+    """(N,) class labels -> (N,) 0/1: the rank of each row within its class, modulo 2."""
+    return rank_in_class(labels) % 2
