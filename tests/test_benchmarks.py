@@ -31,7 +31,7 @@ def test_benchmark_imports_and_shows_help(name, capsys):
 
 # Benchmarks whose smoke mode needs data or arguments: each has a test of its own below
 # (test_<name>_smoke...), on generated data.
-OWN_TEST = {"cdk_bench", "cdk_finetune_bench", "cdk_levers_bench", "cdk_step_bench",
+OWN_TEST = {"cdk_bench",
             "loss_bench", "pde_bench", "scale_bench", "scale_ceilings", "photo_table_bench"}
 
 
@@ -58,7 +58,7 @@ def test_similar_class_pairing_draws_and_moments_follow_its_matrix():
     import numpy as np
     import torch
 
-    from benchmarks.cdk_levers_bench import SimilarClassSampler, similar_class_mixing
+    from research.cdk_levers_bench import SimilarClassSampler, similar_class_mixing
 
     gen = torch.Generator().manual_seed(0)
     labels = torch.arange(40) % 4
@@ -96,7 +96,7 @@ def test_similar_class_pairing_draws_and_moments_follow_its_matrix():
 
 
 def test_levers_folds_hold_out_each_non_test_class_once():
-    from benchmarks.cdk_levers_bench import folds_of
+    from research.cdk_levers_bench import folds_of
     from training.cdk.splits import SKETCHY2_TEST
 
     classes = sorted([f"c{i:03d}" for i in range(104)] + list(SKETCHY2_TEST))
@@ -126,7 +126,7 @@ def test_kernel_spectra_are_the_analytic_ones():
     values 1, then a."""
     import torch
 
-    from benchmarks.cdk_kernel_bench import (
+    from research.cdk_kernel_bench import (
         KernelSampler,
         class_conditional,
         conditional,
@@ -154,7 +154,7 @@ def test_kernel_conditionals_and_their_limits():
     the other classes by T: symmetric, doubly stochastic, 1 - b on the diagonal."""
     import torch
 
-    from benchmarks.cdk_kernel_bench import (
+    from research.cdk_kernel_bench import (
         class_conditional,
         conditional,
         instance_conditional,
@@ -189,7 +189,7 @@ def test_neighbour_kernel_is_brute_force_nearest_photos():
     cosine, found here by sorting every pair; k = 1 is the instance kernel."""
     import torch
 
-    from benchmarks.cdk_kernel_bench import (
+    from research.cdk_kernel_bench import (
         class_conditional,
         conditional,
         instance_conditional,
@@ -226,7 +226,7 @@ def test_fewer_images_keeps_the_first_n_of_training_classes_and_every_pair():
     import numpy as np
     import torch
 
-    from benchmarks.cdk_kernel_bench import fewer_images
+    from research.cdk_kernel_bench import fewer_images
 
     # classes 0 and 1 train, 2 held out; 4 photos a class; sketch rows drawn from photos
     photo_labels = np.repeat([0, 1, 2], 4)
@@ -254,7 +254,7 @@ def test_kernel_sampler_draws_from_its_matrix_and_its_quotients_are_the_cdk_ones
     moment)."""
     import torch
 
-    from benchmarks.cdk_kernel_bench import KernelSampler, conditional
+    from research.cdk_kernel_bench import KernelSampler, conditional
     from training.cdk.data import PairSampler
     from training.loss import cdk_singular_values
 
@@ -296,7 +296,7 @@ def test_kernel_bench_training_is_the_training_loop(tmp_path):
     from torch import nn
 
     import training.cdk.train as train_mod
-    from benchmarks.cdk_kernel_bench import KernelSampler, _embed, conditional, train_heads
+    from research.cdk_kernel_bench import KernelSampler, _embed, conditional, train_heads
     from training.cdk.config import make_config
     from training.cdk.data import PairSampler
     from training.cdk.model.backbones import Backbone
@@ -342,7 +342,7 @@ def test_kernel_bench_runs_end_to_end_on_tiny_data(tmp_path, capsys):
     import torch
     from PIL import Image
 
-    from benchmarks.cdk_kernel_bench import main
+    from research.cdk_kernel_bench import main
 
     root = tmp_path / "data"
     for c in range(7):
@@ -472,7 +472,7 @@ def test_cdk_bench_smoke(tiny_data, tmp_path, capsys):
 
 
 def test_cdk_finetune_bench_smoke(tiny_data, tmp_path):
-    from benchmarks import cdk_finetune_bench
+    from research import cdk_finetune_bench
 
     root, split = tiny_data
     assert cdk_finetune_bench.main(["--smoke", "--data", str(root), "--split", str(split),
@@ -485,7 +485,7 @@ def test_cdk_finetune_bench_smoke(tiny_data, tmp_path):
 
 
 def test_cdk_step_bench_smoke(tiny_data, capsys):
-    from benchmarks import cdk_step_bench
+    from research import cdk_step_bench
 
     root, split = tiny_data
     cdk_step_bench.main(["--smoke", "--data", str(root), "--split", str(split), "--batches",
@@ -496,7 +496,7 @@ def test_cdk_step_bench_smoke(tiny_data, capsys):
 
 
 def test_cdk_levers_bench_smoke(tiny_data, tmp_path, capsys):
-    from benchmarks import cdk_levers_bench
+    from research import cdk_levers_bench
 
     root, split = tiny_data
     variants = ["preset", "preset, similar-class pairing 0.3", "preset, nesting weights 1/l^2"]

@@ -2,7 +2,7 @@
 
 With glibc's defaults every tensor above the dynamic mmap threshold (at most 32 MB) gets
 pages of its own that are returned on free, so a network's forward pass page-faults its
-activations in anew on every call: measured here (``benchmarks/allocator_bench.py``, one
+activations in anew on every call: measured here (``research/allocator_bench.py``, one
 thread), an EfficientNet-Lite0 forward of 64 images took 6.1 s with 2.0 million minor faults
 and 4.3 s in the kernel, and 1.6 s with 10 thousand faults after ``tune_allocator()``.
 Freed memory then stays in the process for reuse instead; the peak is unchanged.

@@ -2,7 +2,7 @@
 forward pass: seconds per batch, minor page faults and kernel time per batch, each setting
 in its own fresh process, interleaved, same run.
 
-    python -m benchmarks.allocator_bench --backbone efficientnet-lite0 --batch 64 --threads 1
+    python -m research.allocator_bench --backbone efficientnet-lite0 --batch 64 --threads 1
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ and nesting weights) on its features and is scored on the validation classes. No
 is embedded: this chooses, the training command reports. ``--smoke`` shrinks the heads and
 the run (a check that the benchmark works, on any small data).
 
-    python -m benchmarks.cdk_levers_bench --data ../shared/data/sketchy-mini \\
+    python -m research.cdk_levers_bench --data ../shared/data/sketchy-mini \\
         --out runs/cdk-levers-bench --seeds 0 1
-    python -m benchmarks.cdk_levers_bench --variants preset --folds 5
+    python -m research.cdk_levers_bench --variants preset --folds 5
 """
 
 from __future__ import annotations
@@ -363,7 +363,7 @@ def _table(results: list[dict], variants: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.cdk_levers_bench",
+    ap = argparse.ArgumentParser(prog="python -m research.cdk_levers_bench",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="../shared/data/sketchy-mini")

@@ -8,7 +8,7 @@ two batch sizes, and the DataLoader's worker count on the augmented path. The ca
 one-off cost is measured on a subset and scaled to the training set; a cache of V
 augmented views per image would cost V times that and then step at the cached speed.
 
-    nice -n 10 python -m benchmarks.cdk_step_bench --data ../shared/data/sketchy-mini
+    nice -n 10 python -m research.cdk_step_bench --data ../shared/data/sketchy-mini
 """
 
 from __future__ import annotations

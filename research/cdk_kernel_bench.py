@@ -36,12 +36,12 @@ as the preset expands them). `--per-class N` trains on the first N sketches and 
 of each training class only (and the photos those sketches were drawn from), scored on the
 same held-out rows: how the modes grow with the training images.
 
-    python -m benchmarks.cdk_kernel_bench --data ../shared/data/sketchy-mini \\
+    python -m research.cdk_kernel_bench --data ../shared/data/sketchy-mini \\
         --kernels class "instance 0.3" --out runs/cdk-kernels --threads 1
-    python -m benchmarks.cdk_kernel_bench --out runs/cdk-kernels --report
-    python -m benchmarks.cdk_kernel_bench --data ../shared/data/sketchy-mini \\
+    python -m research.cdk_kernel_bench --out runs/cdk-kernels --report
+    python -m research.cdk_kernel_bench --data ../shared/data/sketchy-mini \\
         --kernels "instance 0.5" --seeds 0 1 --out runs/cdk-kernels --expansion-grid
-    python -m benchmarks.cdk_kernel_bench --data ../shared/data/sketchy-mini \\
+    python -m research.cdk_kernel_bench --data ../shared/data/sketchy-mini \\
         --kernels "instance 0.5" --seeds 0 1 --out runs/cdk-kernels --raw-grid
 """
 
@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.cdk_levers_bench import folds_of, similar_class_mixing
+from research.cdk_levers_bench import folds_of, similar_class_mixing
 from training.allocator import tune_allocator
 from training.cdk.config import Config, expansion, input_size, make_config, smoothing
 from training.cdk.data import rank_in_class, scan
@@ -576,7 +576,7 @@ WHOLE = ("train_seconds", "learned_effective_rank", "kernel_effective_rank")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.cdk_kernel_bench",
+    ap = argparse.ArgumentParser(prog="python -m research.cdk_kernel_bench",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="../shared/data/sketchy-mini")

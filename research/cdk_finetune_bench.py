@@ -8,9 +8,9 @@ mAP@all and P@10, the share of full-dimension test mAP kept at d = 16, how far t
 singular values are from sorted (largest rise between neighbours), and wall / training time.
 Settings are to be compared on the validation columns; the test columns are the report.
 
-    python -m benchmarks.cdk_finetune_bench --data ../shared/data/sketchy-mini \\
+    python -m research.cdk_finetune_bench --data ../shared/data/sketchy-mini \\
         --variants frozen-lite0 finetune-lite0 --seeds 0
-    python -m benchmarks.cdk_finetune_bench --out runs/ft-bench --report   # table only
+    python -m research.cdk_finetune_bench --out runs/ft-bench --report   # table only
 """
 
 from __future__ import annotations
