@@ -7,8 +7,10 @@ run recorded there, so a sweep can be built up call by call. Columns: validation
 mAP@all and P@10, the share of full-dimension test mAP kept at d = 16, how far the top-32
 singular values are from sorted (largest rise between neighbours), and wall / training time.
 Settings are to be compared on the validation columns; the test columns are the report.
+``--smoke`` trains SMOKE's tiny heads on small images: a check that the benchmark runs. DIR
+is the sketch/photo folder (or set SKETCHY_DATA to it):
 
-    python -m research.cdk_finetune_bench --data ../shared/data/sketchy-mini \\
+    python -m research.cdk_finetune_bench --data DIR \\
         --variants frozen-lite0 finetune-lite0 --seeds 0
     python -m research.cdk_finetune_bench --out runs/ft-bench --report   # table only
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from research.common import add_data_argument, data_folder
 from training import cli
 from training.allocator import tune_allocator
 from training.cdk.config import Config, make_config
@@ -107,8 +110,10 @@ def report(out: Path) -> str:
 
 def main(argv=None) -> int:
     tune_allocator()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default="../shared/data/sketchy-mini")
+    p = argparse.ArgumentParser(prog="python -m research.cdk_finetune_bench",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_data_argument(p)
     p.add_argument("--out", default="runs/cdk-finetune-bench")
     p.add_argument("--split", default="sketchy2")
     p.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS))
@@ -124,12 +129,13 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     out = Path(a.out)
     sets = {**(SMOKE if a.smoke else {}), **_parse_sets(a.set)}
+    data = data_folder(p, a) if a.variants and not a.report else ""
     for seed in [] if a.report else a.seeds:
         for v in a.variants:
             name = v + (f" {a.tag}" if a.tag else "")
             run_dir = out / f"{name.replace(' ', '-')}-seed{seed}"
             shutil.rmtree(run_dir, ignore_errors=True)  # time a fresh run, never a resume
-            cfg = make_config("cpu", **{**VARIANTS[v], **sets, "data": a.data,
+            cfg = make_config("cpu", **{**VARIANTS[v], **sets, "data": data,
                                         "split": a.split, "seed": seed,
                                         "out": str(run_dir), "threads": a.threads})
             t0 = time.perf_counter()

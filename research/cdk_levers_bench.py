@@ -1,9 +1,8 @@
 """Cheap levers on frozen features, compared on the validation classes only: what the heads
 see (mirror-averaged features, generalised-mean instead of average pooling, thickened sketch
 strokes, the last block's pooled output beside the final features), dropout of the heads'
-input features, the joint-nesting
-weights, embeddings scaled to unit length before retrieval, and the gallery smoothing
-grid; whether sorting the learned modes by their estimated singular values makes
+input features, embeddings scaled to unit length before retrieval, and the gallery
+smoothing grid; whether sorting the learned modes by their estimated singular values makes
 better prefixes; and a kernel that pairs each sketch now and then with a photo of a
 similar class, so that its spectrum falls and the leading modes are the coarse ones.
 
@@ -13,16 +12,16 @@ each fold held out in turn while the heads train on the others. On split 2, 5 fo
 20-21 classes each, as many as its test set: what the d = 16 share of the test classes is
 compared with (10 validation classes are separated by fewer modes).
 
-Backbone features of every image are computed once (plain and mirrored, average- and
-GeM-pooled, with forward hooks for the last block) and kept in OUT/features.pt; each variant
-then trains the cpu preset's heads (training.cdk.train, given the variant's pair sampler
-and nesting weights) on its features and is scored on the validation classes. No test class
-is embedded: this chooses, the training command reports. ``--smoke`` shrinks the heads and
-the run (a check that the benchmark works, on any small data).
+Backbone features of every image of the non-test classes are computed once (plain and
+mirrored, average- and GeM-pooled, with the last block's output beside them; sketches also
+with thickened strokes) and kept in OUT/features.pt; each variant then trains the cpu
+preset's heads (training.cdk.train, given the variant's pair sampler) on its features and
+is scored on the validation classes. No test class is embedded: this chooses, the training
+command reports. ``--smoke`` shrinks the heads and the run (a check that the benchmark
+works, on any small data). DIR is the sketch/photo folder (or set SKETCHY_DATA to it):
 
-    python -m research.cdk_levers_bench --data ../shared/data/sketchy-mini \\
-        --out runs/cdk-levers-bench --seeds 0 1
-    python -m research.cdk_levers_bench --variants preset --folds 5
+    python -m research.cdk_levers_bench --data DIR --out runs/cdk-levers-bench --seeds 0 1
+    python -m research.cdk_levers_bench --data DIR --variants preset --folds 5
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,31 +36,36 @@ import numpy as np
 import torch
 from PIL import ImageFilter
 
+from research.common import (
+    add_data_argument,
+    data_folder,
+    embed,
+    folds_of,
+    load_features,
+    similar_class_mixing,
+    train_heads,
+)
 from training.allocator import tune_allocator
 from training.cdk.config import Config
-from training.cdk.data import PairSampler, scan
+from training.cdk.data import PairSampler
 from training.cdk.metrics import retrieval_metrics, smoothed_metrics, spectrum_order
 from training.cdk.model.backbones import BACKBONES, Backbone, build_backbone, global_pool
 from training.cdk.model.smoothing import Smoothing, smooth
-from training.cdk.run import embed_features, retrieval_embeddings
-from training.cdk.splits import class_folds, split_classes
-from training.cdk.train import TrainData, train
+from training.cdk.run import retrieval_embeddings
 from training.images import images_to_tensor, load_image
 
 # name -> (sketch feature set, feature keys joined, training options). Options: flip (which
-# modalities are mirror-averaged), cap (nesting weights 1/max(l, cap)), dropout (the
-# heads' input dropout; 0 where absent, as the preset had it when those rows were measured),
-# unit (embeddings scaled to unit length before retrieval, model.embedding; off
-# where absent), raw (raw coordinates appended after the modes: (dims, weight),
-# model.fit_raw_projections on the training features; none where absent), mix (the
-# similar-class pairing: (alpha, tau), SimilarClassSampler), power (nesting weights
-# 1/l^power), config (other Config fields).
+# modalities are mirror-averaged), dropout (the heads' input dropout; 0 where absent, as
+# the preset had it when those rows were measured), unit (embeddings scaled to unit length
+# before retrieval, model.embedding; off where absent), raw (raw coordinates appended after
+# the modes: (dims, weight), model.fit_raw_projections on the training features; none where
+# absent), mix (the similar-class pairing: (alpha, tau), SimilarClassSampler), config
+# (other Config fields).
 PRESET = {"flip": "photo", "dropout": 0.3, "unit": True, "raw": (256, 1.0)}
 VARIANTS = {
     "preset": ("sketch", ["gem"], PRESET),
     "preset, similar-class pairing 0.3": ("sketch", ["gem"], {**PRESET, "mix": (0.3, 0.1)}),
     "preset, similar-class pairing 0.1": ("sketch", ["gem"], {**PRESET, "mix": (0.1, 0.1)}),
-    "preset, nesting weights 1/l^2": ("sketch", ["gem"], {**PRESET, "power": 2}),
     "preset, input dropout 0.4": ("sketch", ["gem"], {**PRESET, "dropout": 0.4}),
     "preset, input dropout 0.5": ("sketch", ["gem"], {**PRESET, "dropout": 0.5}),
     "preset, input dropout 0.6": ("sketch", ["gem"], {**PRESET, "dropout": 0.6}),
@@ -78,8 +81,6 @@ VARIANTS = {
     "strokes thickened (3x3 min filter)": ("thick", ["gap"], {}),
     "strokes thickened, mirror-averaged": ("thick", ["gap"], {"flip": "both"}),
     "+ last block pooled": ("sketch", ["gap", "last"], {}),
-    "mirror-averaged, weights 1/max(l,16)": ("sketch", ["gap"], {"flip": "both", "cap": 16}),
-    "mirror-averaged, weights 1/max(l,32)": ("sketch", ["gap"], {"flip": "both", "cap": 32}),
     "GeM, mirror-averaged photos only": ("sketch", ["gem"], {"flip": "photo"}),
     "GeM, input dropout 0.2": ("sketch", ["gem"], {"flip": "both", "dropout": 0.2}),
     "GeM, input dropout 0.3": ("sketch", ["gem"], {"flip": "both", "dropout": 0.3}),
@@ -107,42 +108,34 @@ VARIANTS = {
 }
 
 
-def similar_class_mixing(photo_feats, labels, alpha: float, tau: float) -> torch.Tensor:
-    """(C, C) pairing matrix T = (1 - alpha) I + alpha W: W symmetric and doubly
-    stochastic (Sinkhorn) with off-diagonal weights exp(cos(m_c, m_c') / tau) between the
-    classes' mean photo features, centred; W's diagonal is 0."""
-    labels = torch.as_tensor(np.asarray(labels))
-    C = int(labels.max()) + 1
-    m = torch.stack([photo_feats[labels == c].double().mean(0) for c in range(C)])
-    m = torch.nn.functional.normalize(m - m.mean(0), dim=1)
-    w = torch.exp((m @ m.T) / tau)
-    w.fill_diagonal_(0.0)
-    for _ in range(500):  # symmetric Sinkhorn: rows and columns to sum 1
-        d = w.sum(1)
-        w = w / torch.sqrt(d[:, None] * d[None, :])
-    w = 0.5 * (w + w.T) / w.sum(1, keepdim=True)
-    return (1 - alpha) * torch.eye(C, dtype=w.dtype) + alpha * w
-
-
-class SimilarClassSampler(PairSampler):
+class SimilarClassSampler:
     """p(x, y) = sum_c p(c) p(x|c) sum_c' T[c, c'] p(y|c'): each sketch's photo is drawn
-    from class c' ~ T[c] (class pairing is T = I), T: (C, C) rows summing to 1."""
+    from class c' ~ T[c] (class pairing is T = I), T: (C, C) rows summing to 1. A
+    training.cdk.data.Sampler; the sketches' order in an epoch and the held-out halves are
+    those of the class pairing (a PairSampler of the same labels)."""
 
     def __init__(self, sketch_labels, photo_labels, T: torch.Tensor):
-        super().__init__(sketch_labels, photo_labels)
+        self.classes = PairSampler(sketch_labels, photo_labels)
+        self.sketch_labels = self.classes.sketch_labels
+        self.photo_labels = self.classes.photo_labels
         self.T = T
 
+    def steps_per_epoch(self, batch_size: int) -> int:
+        return self.classes.steps_per_epoch(batch_size)
+
     def epoch(self, seed, epoch, batch_size):
+        """Yield (sketch idx (B,), photo idx (B,)): the class pairing's sketches, each with
+        a photo of a class drawn from its row of T."""
         g = torch.Generator().manual_seed(int(seed) * 100_003 + int(epoch) + 1)
-        for s, _ in super().epoch(seed, epoch, batch_size):
+        for s, _ in self.classes.epoch(seed, epoch, batch_size):
             c = torch.multinomial(self.T[self.sketch_labels[s]].float(), 1, generator=g)[:, 0]
-            yield s, self.photos_of_classes(c, g)
+            yield s, self.classes.photos_of_classes(c, g)
 
     def joint_moment(self, f, g, sketch_idx=None, photo_idx=None):
         """E[f(X) g(Y)]: f at each sketch times the T-weighted class means of g."""
         s_idx = torch.arange(len(f)) if sketch_idx is None else torch.as_tensor(sketch_idx)
         p_idx = torch.arange(len(g)) if photo_idx is None else torch.as_tensor(photo_idx)
-        g_bar, n = self.class_means(g, p_idx)
+        g_bar, n = self.classes.class_means(g, p_idx)
         t = self.T.double() * (n > 0)[None]
         mixed = (t / t.sum(1, keepdim=True)) @ g_bar
         return (f.double() * mixed[self.sketch_labels[s_idx.long()]]).mean(0)
@@ -155,11 +148,15 @@ class SimilarClassSampler(PairSampler):
         p_idx = (torch.arange(len(self.photo_labels)) if photo_idx is None
                  else torch.as_tensor(photo_idx).long())
         labels = self.photo_labels[p_idx]
-        n = torch.bincount(labels, minlength=len(self.count)).double()
+        n = torch.bincount(labels, minlength=len(self.classes.count)).double()
         t = self.T.double() * (n > 0)[None]
         sketches = torch.bincount(self.sketch_labels[s_idx], minlength=len(n)).double()
         w = (sketches @ (t / t.sum(1, keepdim=True)))[labels] / n[labels]
         return w / w.sum()
+
+    def halves(self, sketch_idx=None, photo_idx=None):
+        """The class pairing's halves (PairSampler.halves)."""
+        return self.classes.halves(sketch_idx, photo_idx)
 
 
 @torch.no_grad()
@@ -189,30 +186,33 @@ def _thicken(im):
     return im.convert("L").filter(ImageFilter.MinFilter(3)).convert("RGB")
 
 
-def load_features(data: str, out: Path, backbone: str) -> dict:
-    path = out / "features.pt"
-    if path.is_file():
-        return torch.load(path, weights_only=False)
-    ds = scan(data)
+def lever_features(data: str, split: str, out: Path, backbone: str) -> dict:
+    """research.common.load_features of the split's non-test classes, per modality {view:
+    (N, D)}: _features' views of every image, and for sketches the same of their thickened
+    strokes ("thick_" views); kept in OUT/features.pt. Adds "size", the input size."""
     bb = build_backbone(backbone)
     size = BACKBONES[backbone].native_size
-    feats = {
-        "classes": list(ds.classes), "size": size,
-        "sketch_labels": np.asarray(ds.sketch_labels), "photo_labels": np.asarray(ds.photo_labels),
-        "photo": _features(ds.photos, bb, size, lambda im: im, "photos"),
-        "sketch": _features(ds.sketches, bb, size, lambda im: im, "sketches"),
-        "thick": _features(ds.sketches, bb, size, _thicken, "sketches, strokes thickened"),
-    }
+
+    def extract(files, modality):
+        feats = _features(files, bb, size, lambda im: im, f"{modality}s")
+        if modality == "sketch":
+            thick = _features(files, bb, size, _thicken, "sketches, strokes thickened")
+            feats.update({"thick_" + k: v for k, v in thick.items()})
+        return feats
+
     out.mkdir(parents=True, exist_ok=True)
-    torch.save(feats, path)
-    return feats
+    F = load_features(data, split, extract, cache=out / "features.pt",
+                      tag=f"levers {backbone} {size}")
+    return {**F, "size": size}
 
 
 def _pick(F: dict, mod: str, keys: list[str], flip: bool, prefix: str = "") -> torch.Tensor:
+    """(N, D * len(keys)) the views ``keys`` (with ``prefix``) of modality ``mod`` side by
+    side, each averaged with its mirror image's when ``flip``."""
     parts = []
     for k in keys:
         x = F[mod][prefix + k]
-        parts.append(0.5 * (x + F[mod]["flip_" + k]) if flip else x)
+        parts.append(0.5 * (x + F[mod][prefix + "flip_" + k]) if flip else x)
     return torch.cat(parts, 1)
 
 
@@ -221,7 +221,8 @@ def run_variant(F: dict, name: str, seed: int, parts: dict, smoke: bool = False)
     (``smoke``: SMOKE's small heads and run)."""
     sketch_set, keys, opt = VARIANTS[name]
     flip, unit = opt.get("flip", "none"), opt.get("unit", False)
-    S = _pick(F, sketch_set, keys, flip in ("both", "sketch"))
+    S = _pick(F, "sketch", keys, flip in ("both", "sketch"),
+              "thick_" if sketch_set == "thick" else "")
     P = _pick(F, "photo", keys, flip in ("both", "photo"))
     sl, pl = F["sketch_labels"], F["photo_labels"]
     index = {c: i for i, c in enumerate(F["classes"])}
@@ -232,24 +233,19 @@ def run_variant(F: dict, name: str, seed: int, parts: dict, smoke: bool = False)
 
     (ts, tp), (vs, vp) = rows("train"), rows("valid")
     relabel = {c: i for i, c in enumerate(np.unique(sl[ts]))}
-    data = TrainData(S[ts], P[tp], np.array([relabel[c] for c in sl[ts]]),
-                     np.array([relabel[c] for c in pl[tp]]))
+    train_labels = (np.array([relabel[c] for c in sl[ts]]),
+                    np.array([relabel[c] for c in pl[tp]]))
     raw_dims, raw_weight = opt.get("raw", (0, 1.0))
     cfg = dataclasses.replace(Config(image_size=F["size"]), seed=seed, out="",
                               input_dropout=opt.get("dropout", 0.0), unit_embeddings=unit,
                               raw_dims=raw_dims, raw_weight=raw_weight,
                               sort_modes=False,  # the training order, compared with sorted below
-                              **opt.get("config", {}), **(SMOKE if smoke else {}))
-    backbone = Backbone("features", torch.nn.Identity(), S.shape[1], (0, 0, 0), (1, 1, 1))
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        res = train(cfg, data, backbone, tmp, device="cpu", sampler=_sampler(opt, data),
-                    weights=_weights(opt, cfg.modes))
-    seconds = time.perf_counter() - t0
-    dev = torch.device("cpu")
+                              # smoke's small heads win over a variant's own
+                              **{**opt.get("config", {}), **(SMOKE if smoke else {})})
+    res, seconds = train_heads(cfg, S[ts], P[tp], _sampler(opt, *train_labels, P[tp]))
     # as training's evaluation and the Embedder embed: unit length, then raw coordinates
-    f, g = retrieval_embeddings(cfg, res, embed_features(res.heads["sketch"], S[vs], dev),
-                                embed_features(res.heads["photo"], P[vp], dev), S[vs], P[vp])
+    f, g = retrieval_embeddings(cfg, res, embed(res.heads["sketch"], S[vs]),
+                                embed(res.heads["photo"], P[vp]), S[vs], P[vp])
     labels = (sl[vs], pl[vp])
     learned = retrieval_metrics(f[:, : cfg.modes], g[:, : cfg.modes], *labels, cfg.k)
     full = retrieval_metrics(f, g, *labels, cfg.k)
@@ -287,22 +283,13 @@ def run_variant(F: dict, name: str, seed: int, parts: dict, smoke: bool = False)
 SMOKE = {"modes": 8, "hidden": 16, "epochs": 2, "batch_size": 8, "k": 2}
 
 
-def _sampler(opt: dict, data: TrainData) -> PairSampler:
-    """The variant's pair sampler: class pairing, or the similar-class one ("mix")."""
+def _sampler(opt: dict, sketch_labels, photo_labels, photo_feats):
+    """The variant's pair sampler on the training rows: class pairing, or the
+    similar-class one ("mix", by the classes' mean photo features)."""
     if "mix" not in opt:
-        return PairSampler(data.sketch_labels, data.photo_labels)
-    T = similar_class_mixing(data.photo_feats, data.photo_labels, *opt["mix"])
-    return SimilarClassSampler(data.sketch_labels, data.photo_labels, T)
-
-
-def _weights(opt: dict, modes: int) -> torch.Tensor | None:
-    """The variant's joint-nesting weights, or None for the config's."""
-    l = torch.arange(1, modes + 1, dtype=torch.float64)  # noqa: E741
-    if "cap" in opt:  # w_l = 1 / max(l, cap): the first cap modes weighted alike
-        return 1.0 / l.clamp_min(opt["cap"])
-    if "power" in opt:
-        return l ** -float(opt["power"])
-    return None
+        return PairSampler(sketch_labels, photo_labels)
+    T = similar_class_mixing(photo_feats, photo_labels, *opt["mix"])
+    return SimilarClassSampler(sketch_labels, photo_labels, T)
 
 
 def smoothing_grid(f, g, labels, k: int) -> list[dict]:
@@ -313,23 +300,6 @@ def smoothing_grid(f, g, labels, k: int) -> list[dict]:
                 m = retrieval_metrics(f, smooth(g, Smoothing(nb, w, rounds)), *labels, k)
                 rows.append({"rounds": rounds, "k": nb, "weight": w, "map": m["map_all"]})
     return rows
-
-
-def folds_of(F: dict, split: str, n: int, ids) -> list[tuple[str, dict]]:
-    """[(name, {"train", "valid"})]: the split's own validation classes (n = 0), or the
-    class folds ``ids`` of its non-test classes."""
-    parts = split_classes(split, F["classes"])
-    if n == 0:
-        return [("valid", parts)]
-    rest = parts["train"] + parts["valid"]
-    folds = class_folds(rest, n)
-    ids = range(n) if ids is None else ids
-    out = []
-    for i in ids:
-        held = set(folds[i])
-        out.append((f"fold {i}/{n}", {"train": [c for c in rest if c not in held],
-                                      "valid": folds[i]}))
-    return out
 
 
 def _table(results: list[dict], variants: list[str]) -> None:
@@ -366,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m research.cdk_levers_bench",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="../shared/data/sketchy-mini")
+    add_data_argument(ap)
     ap.add_argument("--split", default="sketchy2")
     ap.add_argument("--backbone", default="efficientnet-lite1")
     ap.add_argument("--out", default="runs/cdk-levers-bench")
@@ -394,9 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = [r for r in runs if "fold" in r]
         _table(runs, list(dict.fromkeys(r["variant"] for r in runs)))
         return 0
-    F = load_features(args.data, out, args.backbone)
-    out.mkdir(parents=True, exist_ok=True)
-    folds = folds_of(F, args.split, args.folds, args.fold_ids)
+    F = lever_features(data_folder(ap, args), args.split, out, args.backbone)
+    folds = folds_of(F["all_classes"], args.split, args.folds, args.fold_ids)
     results = []
     for name in args.variants:
         for fold, parts in folds:

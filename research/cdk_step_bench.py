@@ -7,8 +7,10 @@ running the frozen trunk under no_grad at every step (without and with augmentat
 two batch sizes, and the DataLoader's worker count on the augmented path. The cache's
 one-off cost is measured on a subset and scaled to the training set; a cache of V
 augmented views per image would cost V times that and then step at the cached speed.
+``--smoke``: small heads and images, one batch size and K, one step per row (a check that
+it runs). DIR is the sketch/photo folder (or set SKETCHY_DATA to it):
 
-    nice -n 10 python -m research.cdk_step_bench --data ../shared/data/sketchy-mini
+    nice -n 10 python -m research.cdk_step_bench --data DIR
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 
 import torch
 
+from research.common import add_data_argument, data_folder
 from training.allocator import tune_allocator
 from training.cdk.config import NESTING_OF, make_config, nesting_weights
 from training.cdk.data import PairSampler, scan
@@ -73,10 +76,12 @@ def _time_steps(cfg, model, step, inputs, data, steps, warmup):
     return sum(times[warmup:]) / steps  # warm-up steps (worker start) are left out
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     tune_allocator()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", required=True)
+    ap = argparse.ArgumentParser(prog="python -m research.cdk_step_bench",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_data_argument(ap)
     ap.add_argument("--split", default="sketchy2")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per row")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
@@ -86,11 +91,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stages", default="1,2,3", help="K at the first batch size")
     ap.add_argument("--stages-other", default="1,2,3", help="K at the other batch sizes")
     ap.add_argument("--smoke", action="store_true",
-                    help="small heads and images: checks the benchmark, measures nothing")
+                    help="small heads and images, batch 4, K = 1, one step per row and 4 "
+                         "cached images: checks the benchmark, measures nothing")
     args = ap.parse_args(argv)
-    overrides = {"modes": 4, "hidden": 16, "image_size": 32} if args.smoke else {}
+    overrides = {}
+    if args.smoke:
+        overrides = {"modes": 4, "hidden": 16, "image_size": 32}
+        args.batches, args.stages, args.stages_other = "4", "1", "1"
+        args.steps, args.warmup, args.cache_images = 1, 0, 4
 
-    ds = scan(args.data)
+    ds = scan(data_folder(ap, args))
     tr = ds.restrict(split_classes(args.split, list(ds.classes))["train"])
     n = len(tr.sketches)
     bb = build_backbone("efficientnet-lite0")
@@ -123,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         spe = max(1, n // B)
         print(f"{B:>5} {K:>2} {'trunk no_grad + aug':<22} {workers:>7} {s:>7.2f} {spe:>8} "
               f"{s * spe:>8.1f} {0.0:>14.1f}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -5,7 +5,7 @@ import torch.multiprocessing as mp
 
 from training.cdk import train as train_mod
 from training.cdk.config import make_config
-from training.cdk.data import PairSampler
+from training.cdk.data import PairSampler, Sampler
 from training.cdk.model.checkpoint import load_checkpoint
 from training.cdk.train import TrainData
 
@@ -227,33 +227,57 @@ def test_permute_modes_reorders_the_outputs():
         head.permute_modes(torch.tensor([0, 0, 1, 2]))
 
 
-def test_sampler_and_nesting_weights_are_passed_not_patched(tmp_path):
-    """What a benchmark varies goes in as arguments: nesting weights passed to a uniform
-    config train exactly as the config's harmonic ones, and a given sampler draws every
-    batch (and gives the joint moment of the spectrum)."""
+def test_a_sampler_is_passed_not_patched(tmp_path):
+    """What an experiment varies goes in as an argument: any object with the Sampler
+    methods (here one that holds a PairSampler, not a subclass of it) draws every batch
+    and gives the spectrum pass its joint moments, and training with it equals training
+    with the config's own sampler when it draws the same pairs."""
     data, bb = synthetic_data(), synthetic_backbone()
-    harmonic = train_mod.train(_cfg(tmp_path), data, bb, tmp_path / "h")
-    passed = train_mod.train(_cfg(tmp_path, nesting_weights="uniform"), data, bb, tmp_path / "w",
-                             weights=1.0 / torch.arange(1, 5, dtype=torch.float64))
-    for m in ("sketch", "photo"):
-        for k, v in harmonic.heads[m].state_dict().items():
-            torch.testing.assert_close(passed.heads[m].state_dict()[k], v, rtol=0, atol=0)
+    default = train_mod.train(_cfg(tmp_path), data, bb, tmp_path / "d")
 
-    class Counting(PairSampler):
-        epochs, moments = [], 0
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.epochs, self.moments = inner, [], 0
+
+        def steps_per_epoch(self, batch_size):
+            return self.inner.steps_per_epoch(batch_size)
 
         def epoch(self, seed, epoch, batch_size):
-            Counting.epochs.append(epoch)
-            yield from super().epoch(seed, epoch, batch_size)
+            self.epochs.append(epoch)
+            yield from self.inner.epoch(seed, epoch, batch_size)
 
         def joint_moment(self, *a, **k):
-            Counting.moments += 1
-            return super().joint_moment(*a, **k)
+            self.moments += 1
+            return self.inner.joint_moment(*a, **k)
 
-    sampler = Counting(data.sketch_labels, data.photo_labels)
+        def photo_marginal(self, *a, **k):
+            return self.inner.photo_marginal(*a, **k)
+
+        def halves(self, *a, **k):
+            return self.inner.halves(*a, **k)
+
+    sampler = Counting(PairSampler(data.sketch_labels, data.photo_labels))
+    assert isinstance(sampler, Sampler) and not isinstance(sampler, PairSampler)
     own = train_mod.train(_cfg(tmp_path), data, bb, tmp_path / "s", sampler=sampler)
-    assert Counting.epochs == [0, 1, 2] and Counting.moments == 3 + 2  # + the held-out halves
-    torch.testing.assert_close(own.singular_values, harmonic.singular_values, rtol=0, atol=0)
+    assert sampler.epochs == [0, 1, 2] and sampler.moments == 3 + 2  # + the held-out halves
+    torch.testing.assert_close(own.singular_values, default.singular_values, rtol=0, atol=0)
+    for m in ("sketch", "photo"):
+        for k, v in default.heads[m].state_dict().items():
+            torch.testing.assert_close(own.heads[m].state_dict()[k], v, rtol=0, atol=0)
+
+
+def test_a_sampler_without_the_sampler_methods_is_refused(tmp_path):
+    class Draws:
+        def steps_per_epoch(self, batch_size):
+            return 1
+
+        def epoch(self, seed, epoch, batch_size):
+            yield torch.arange(4), torch.arange(4)
+
+    with pytest.raises(TypeError, match="Draws is not a training.cdk.data.Sampler .*"
+                                        "joint_moment, photo_marginal, halves"):
+        train_mod.train(_cfg(tmp_path), synthetic_data(), synthetic_backbone(), tmp_path,
+                        sampler=Draws())
 
 
 def test_time_estimate_comes_before_the_first_step_and_changes_nothing(tmp_path, monkeypatch):

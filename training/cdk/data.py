@@ -6,15 +6,17 @@ named ``<photo_id>-<n>.<ext>`` was drawn from photo ``<photo_id>``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from training.folders import DataError, scan_paired
 
-__all__ = ["DataError", "Dataset", "scan", "PairSampler"]
+__all__ = ["DataError", "Dataset", "scan", "Sampler", "PairSampler", "rank_in_class"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,50 @@ def scan(root: str | Path) -> Dataset:
         return tuple(files), labels
 
     return Dataset(Path(root), classes, *flat(sketches), *flat(photos))
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """The pair distribution p(x, y) on the training rows that ``training.cdk.train.train``
+    learns the CDK of: it draws the batches and gives the expectations its spectrum pass
+    (``training.cdk.spectrum``) reads. PairSampler (the config's pairing) is the product's;
+    an experiment passes its own. Every sketch index is a row of the training sketches,
+    every photo index a row of the training photos; ``sketch_idx``/``photo_idx`` None means
+    all rows, in order.
+
+    The fine-tuning path's spectrum pass embeds a seeded subset of the photos; a sampler
+    with an ``instance_share`` > 0 and ``photo_of`` (N_s,) (as PairSampler has) gets each
+    sampled sketch's own photo added to it.
+    """
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        """Optimiser steps in one epoch of batches of ``batch_size`` pairs."""
+        ...
+
+    def epoch(self, seed: int, epoch: int, batch_size: int
+              ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(sketch idx (B,), photo idx (B,)) per step, ``steps_per_epoch`` of them; a
+        function of (seed, epoch) alone, so that a resumed run and every DDP rank draw the
+        same batches."""
+        ...
+
+    def joint_moment(self, f: torch.Tensor, g: torch.Tensor, sketch_idx=None, photo_idx=None
+                     ) -> torch.Tensor:
+        """E_p(x,y)[f(X) g(Y)] (L,) float64 from f: (S, L) at ``sketch_idx`` and g: (P, L)
+        at ``photo_idx``, under p restricted to those rows."""
+        ...
+
+    def photo_marginal(self, sketch_idx=None, photo_idx=None) -> torch.Tensor:
+        """(P,) float64 p(y) at ``photo_idx`` (summing to 1) under p restricted to the given
+        rows: how often the batches draw each photo."""
+        ...
+
+    def halves(self, sketch_idx=None, photo_idx=None
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The given rows cut in two halves A and B of the same distribution, each as
+        (sketch positions, photo positions) within the given rows: the held-out check of
+        the modes' order (metrics.heldout_order) estimates on each."""
+        ...
 
 
 class PairSampler:

@@ -1,9 +1,10 @@
 """Training of the two heads (and optionally the backbones) by NestedLoRA on the CDK.
 
-One step: draw B pairs (x_b, y_b) ~ p(x, y) (a pair sampler, data.PairSampler by default),
-compute f(x_b), g(y_b): (B, modes), and descend ``training.loss.cdk_loss`` with the method's
-nesting masks. The frozen-feature path and the fine-tuning path share that step; they
-differ only in where a batch's inputs come from (``FeatureInputs``, ``inputs.ImageInputs``).
+One step: draw B pairs (x_b, y_b) ~ p(x, y) (a ``data.Sampler``: the config's PairSampler
+unless one is passed), compute f(x_b), g(y_b): (B, modes), and descend
+``training.loss.cdk_loss`` with the method's nesting masks. The frozen-feature path and the
+fine-tuning path share that step; they differ only in where a batch's inputs come from
+(``FeatureInputs``, ``inputs.ImageInputs``).
 
 Under DDP every rank draws the same global batch and encodes its B/W slice; the
 (B, modes) outputs are all-gathered so each rank evaluates the full-batch estimator (its
@@ -27,7 +28,7 @@ from training.device import pick_device
 
 from ..loss import cdk_loss, nesting_masks
 from .config import NESTING_OF, RUNTIME_FIELDS, Config, nesting_weights, to_dict
-from .data import PairSampler
+from .data import PairSampler, Sampler
 from .distributed import barrier, gather_rows, rank_and_world
 from .finetune import Split, validate_images
 from .inputs import FeatureInputs, ImageInputs, PairModel, set_train_mode
@@ -208,15 +209,21 @@ def _measure(model: PairModel, masks, inputs, batches, grad_clip: float,
 
 
 def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path, device=None,
-          *, sampler=None, weights: torch.Tensor | None = None, estimate=None) -> TrainResult:
+          *, sampler: Sampler | None = None, estimate=None) -> TrainResult:
     """Train per ``cfg``, checkpointing to out_dir/checkpoint.pt after every epoch and
     resuming from it when it holds an unfinished run of the same config. Runs under DDP
     when torch.distributed is initialised (launch with torchrun; see ``distributed``).
 
-    sampler: the pairs' distribution (default: data.PairSampler of cfg.pairing); weights:
-    the joint-nesting weights (modes,) (default: cfg.nesting_weights'); estimate: called
-    before the first step as estimate(steps left, seconds a step takes, epochs left,
-    seconds a spectrum pass takes), both times measured on a copy of the model."""
+    sampler: the pair distribution p(x, y) whose CDK is learned, over the rows of ``data``
+    (a ``data.Sampler``; None: the config's, data.PairSampler of cfg.pairing and
+    cfg.instance_share); it draws every batch and weighs the spectrum pass. estimate:
+    called before the first step as estimate(steps left, seconds a step takes, epochs
+    left, seconds a spectrum pass takes), both times measured on a copy of the model."""
+    if sampler is not None and not isinstance(sampler, Sampler):
+        missing = [m for m in ("steps_per_epoch", "epoch", "joint_moment", "photo_marginal",
+                               "halves") if not callable(getattr(sampler, m, None))]
+        raise TypeError(f"sampler {type(sampler).__name__} is not a training.cdk.data.Sampler "
+                        f"(it lacks {', '.join(missing)})")
     ckpt_path = Path(out_dir) / "checkpoint.pt"
     device = pick_device(device)
     rank, world = rank_and_world()
@@ -231,12 +238,12 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
     # the raw coordinates' projections: fit once on the (plain) training features
     raw = (fit_raw_projections(data.sketch_feats, data.photo_feats, cfg.raw_dims,
                                cfg.raw_weight, cfg.raw_whiten) if cfg.raw_dims else None)
-    sampler = sampler or PairSampler(data.sketch_labels, data.photo_labels, cfg.pairing,
-                                     data.photo_of, cfg.instance_share)
+    if sampler is None:
+        sampler = PairSampler(data.sketch_labels, data.photo_labels, cfg.pairing,
+                              data.photo_of, cfg.instance_share)
     opt, sched = make_optimiser(model, cfg.lr, cfg.backbone_lr, cfg.momentum, cfg.weight_decay,
                                 sampler.steps_per_epoch(cfg.batch_size) * cfg.epochs)
-    masks = nesting_masks(cfg.modes, NESTING_OF[cfg.method],
-                          nesting_weights(cfg) if weights is None else weights,
+    masks = nesting_masks(cfg.modes, NESTING_OF[cfg.method], nesting_weights(cfg),
                           constant_mode=True)
     start, history, last = _resume(ckpt_path, cfg, model, opt, sched)
     inputs = _inputs(cfg, data, backbone, model, device, training=start < cfg.epochs)
