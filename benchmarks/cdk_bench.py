@@ -7,9 +7,9 @@ seeds; NeuralSVD-seq runs at the preset's lr for it (the cpu preset lowers it to
 Reports mAP@all and P@10 (mean and std over seeds), mAP with the d most significant modes,
 the fraction of full-dimension mAP that (d) keeps at d = 16, 32, 64, 128, and the wall time
 of the preset per run (every run trains from scratch; features come from the on-disk cache
-once the first run has filled it).
+once the first run has filled it). DIR is the sketch/photo folder:
 
-    python -m benchmarks.cdk_bench --data ../shared/data/sketchy-mini --out runs/cdk-bench
+    python -m benchmarks.cdk_bench --data DIR --out runs/cdk-bench
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from training.cdk.plots import plot_structure
 from training.cdk.run import run
 from training.files import atomic_write_text
 
-METHODS = ("lora", "neuralsvd-seq", "neuralsvd-jnt")
+# the methods of training.cdk.config.METHODS in the order of the table's rows (b), (c), (d)
+COMPARED = ("lora", "neuralsvd-seq", "neuralsvd-jnt")
 FRACTION_DIMS = (16, 32, 64, 128)
 # --smoke: the overrides that make a run take seconds on small data
 SMOKE = {"modes": 4, "hidden": 16, "epochs": 2, "batch_size": 6, "image_size": 32, "k": 2,
@@ -44,7 +45,7 @@ def _ms(values) -> str:
 def _variants(preset: str) -> dict[str, dict]:
     """Row name -> config overrides: the three methods at the preset's settings, plus
     neuralsvd-jnt with the paper's uniform weights when the preset uses other weights."""
-    out = {m: {"method": m} for m in METHODS}
+    out = {m: {"method": m} for m in COMPARED}
     if make_config(preset, method="neuralsvd-jnt").nesting_weights != "uniform":
         out["neuralsvd-jnt, uniform weights"] = {"method": "neuralsvd-jnt",
                                                  "nesting_weights": "uniform"}

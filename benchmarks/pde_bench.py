@@ -28,7 +28,7 @@ architecture, 1 thread, between its own measurements, for --rounds rounds, and p
 ratios measured side by side:
 
     python -m benchmarks.pde_bench --paper-step --steps 9 --rounds 3 \\
-        --paper-code ../neural-svd --paper-python ../paper-env/bin/python
+        --paper-code DIR --paper-python PY
 
 --smoke runs every part on a tiny architecture and batch (seconds), for the tests.
 """
@@ -53,11 +53,14 @@ from training.pde import plots
 from training.pde.arithmetic import choose_fused_update, choose_stencil_precision
 from training.pde.config import preset
 from training.pde.grid import solve_grid
+from training.pde.methods import METHODS
 from training.pde.problems import make_problem
 from training.pde.run import run
 from training.pde.train import Trainer
 
-METHODS = ["neuralsvd-seq", "neuralsvd-jnt", "neuralef", "spin"]
+# what --methods compares by default (any of training.pde.methods.METHODS may be named): the
+# paper's two nestings and its two baselines
+COMPARED = ("neuralsvd-seq", "neuralsvd-jnt", "neuralef", "spin")
 BATCHES = (128, 512)
 # the step with the former defaults, and with today's (resolved on the machine it runs on)
 VARIANTS = {"fp32, torch's update": dict(stencil_precision="fp32", fused_update="false"),
@@ -264,7 +267,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--iterations", type=int, default=None,
                         help="override the cpu preset's iterations (same for every method)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
-    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(COMPARED), choices=list(METHODS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--skip-train", action="store_true")

@@ -1,15 +1,16 @@
 """Index kinds at 10^5 - 10^7 photos of today's width, simulated from real embeddings.
 
-    python -m benchmarks.scale_bench --index runs/index --data ../shared/data/sketchy-mini \
+    python -m benchmarks.scale_bench --index runs/index --data DIR \
         --sizes 100000 1000000 10000000 --kinds flat ivfsq8 ivfsq48 opq --budget 3G \
         --out runs/scale-bench
 
 1. Fit (once, `OUT/stats.npz`): the stored photo vectors of a real index (`--index`, a
    trained checkpoint's, all its dims) and the sketch embeddings of `--sketches-per-class`
-   sketches of each class of `--data` give a Gaussian class model: photo = m + c + w with
-   class centres c ~ N(0, S_between) and w ~ N(0, S_within) (full covariances over the
-   stored dims); sketch query = m_s + a * c + w_s (a: per-coordinate regression of the sketch
-   class means on the photo class means, w_s ~ N(0, S_within_sketch)).
+   sketches of each class of `--data` (the sketch/photo folder; default $SKETCHY_DATA) give a
+   Gaussian class model: photo = m + c + w with class centres c ~ N(0, S_between) and
+   w ~ N(0, S_within) (full covariances over the stored dims); sketch query =
+   m_s + a * c + w_s (a: per-coordinate regression of the sketch class means on the photo
+   class means, w_s ~ N(0, S_within_sketch)).
 2. N photos of N / `--photos-per-class` classes in blocks of `--block` vectors, each block
    generated from its own seed whenever it is read (nothing of size N is stored: 10^7 photos
    512 wide are 20 GB), `--queries` sketch queries of random classes, and the exact top-10
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -44,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data" / "sketchy-mini"
+DATA = os.environ.get("SKETCHY_DATA")  # the sketch/photo folder when --data is not given
 K = 10
 
 
@@ -343,7 +345,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--index", type=Path, default=REPO / "runs" / "index")
-    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--data", type=Path, default=DATA, metavar="DIR",
+                        help="the sketch/photo folder the class model's sketches come from "
+                             "(default: $SKETCHY_DATA)")
     parser.add_argument("--sketches-per-class", type=int, default=10)
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--kinds", nargs="+", default=["flat", "ivfsq8", "ivfsq48", "opq"])
@@ -370,6 +374,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sizes, args.block, args.queries, args.timed_queries = [2000], 700, 20, 5
         args.photos_per_class, args.nprobe, args.table_nprobe = 20, [4, 16], 16
         args.kinds = ["flat", "ivfsq48", "ivfsq48:coarse=4"]
+    elif args.data is None and not (args.out / "stats.npz").exists():
+        parser.error("fitting the class model needs the sketches: give --data DIR or set "
+                     "SKETCHY_DATA=DIR")
     return args
 
 

@@ -2,9 +2,9 @@
 for each sketch encoder and precision in the same run.
 
     python benchmarks/service_bench.py --index runs/index --encoders onnx --precisions fp32 int8
-    python benchmarks/service_bench.py                       # builds runs/bench/index once
-    python benchmarks/service_bench.py --encoders onnx --flip-average false true  # mirror cost
-    python benchmarks/service_bench.py --encoders onnx --layouts 1x2 2x1  # threads x slots
+    python benchmarks/service_bench.py --data DIR            # builds runs/bench/index once
+    python benchmarks/service_bench.py --data DIR --encoders onnx --flip-average false true
+    python benchmarks/service_bench.py --data DIR --encoders onnx --layouts 1x2 2x1
     python benchmarks/service_bench.py --index runs/index runs/index-fast --encoders onnx
     python benchmarks/service_bench.py --smoke               # tiny data, seconds: a check
 
@@ -20,7 +20,10 @@ first start quantizes (minutes), later starts read the graph cached in the index
 
 Without --index it builds one from an untrained checkpoint shaped like the `cpu` preset
 (EfficientNet-Lite1 at 240 px, head 1024 -> 256 modes + 256 raw coordinates; timing does not
-depend on training) over the sketchy-mini photos.
+depend on training) over the photos of --data DIR (a sketch/photo folder such as
+sketchy-mini; default $SKETCHY_DATA), whose sketches are then the queries (else generated
+strokes). The third line compares mirror averaging on and off, the fourth two layouts of
+server threads x concurrent forwards.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from service.client import AsyncClient, ServiceError  # noqa: E402
 
-DATA = REPO.parent / "shared" / "data" / "sketchy-mini"
+DATA = os.environ.get("SKETCHY_DATA")  # the sketch/photo folder when --data is not given
 STAGES = ("decode", "preprocess", "encode", "search")
 ENCODERS = ("torch", "onnx")
 TARGETS = {"c16_rps": 250.0, "c16_p99_ms": 150.0, "c1_p50_ms": 8.0}
@@ -96,9 +99,9 @@ def prepare_index(out: Path, data: Path, classes: int | None, flip_average: bool
     return out / "index"
 
 
-def sketches(data: Path, n: int = 32) -> list[bytes]:
-    """Real sketches when the data is there, else generated strokes."""
-    files = sorted((data / "sketch").glob("*/*.png"))
+def sketches(data: Path | None, n: int = 32) -> list[bytes]:
+    """Real sketches when the data is given, else generated strokes."""
+    files = [] if data is None else sorted((data / "sketch").glob("*/*.png"))
     if not files:
         from tests.service.conftest import sketch_png
 
@@ -258,7 +261,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--index", type=Path, nargs="+", default=None,
                    help="index folders (each with its checkpoint), measured in one run; "
                         "default: one built from an untrained checkpoint")
-    p.add_argument("--data", type=Path, default=DATA)
+    p.add_argument("--data", type=Path, default=DATA, metavar="DIR",
+                   help="the sketch/photo folder: the query sketches (else generated strokes) "
+                        "and, without --index, the photos indexed (default: $SKETCHY_DATA)")
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench")
     p.add_argument("--classes", type=int, default=None, help="gallery classes (default all)")
     p.add_argument("--encoders", nargs="+", choices=ENCODERS, default=list(ENCODERS))
@@ -289,6 +294,9 @@ def parse_args(argv: list[str] | None):
             p.error(f"--layouts takes THREADSxSLOTS values such as 2x1, got {args.layouts}")
         if any(len(lay) != 2 or min(lay) < 1 for lay in layouts):
             p.error(f"--layouts takes THREADSxSLOTS values such as 2x1, got {args.layouts}")
+    if args.index is None and args.data is None and not args.smoke:
+        p.error("without --index the benchmark indexes the photos of --data DIR (or "
+                "SKETCHY_DATA=DIR)")
     if args.smoke:
         args.encoders, args.precisions, args.concurrency = ["onnx"], ["fp32"], [1, 2]
         args.requests, args.split_requests, args.batch, args.k = 6, 4, 2, 3
@@ -307,7 +315,7 @@ def configurations(args, layouts) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args, layouts = parse_args(argv)
-    bodies = sketches(args.data if not args.smoke else Path("/nonexistent"))
+    bodies = sketches(None if args.smoke else args.data)
     work = Path(tempfile.mkdtemp(prefix="service-bench-")) if args.smoke else args.work
     results = {}
     try:
