@@ -14,7 +14,7 @@ class _ScaledTruth(nn.Module):
 
     def __init__(self, problem):
         super().__init__()
-        self.problem, self.n_modes = problem, problem.n_eval
+        self.problem, self.modes = problem, problem.n_eval
         self.scale = nn.Parameter(torch.tensor(problem.eigenvalues_true).sqrt())
 
     def forward(self, x):

@@ -29,7 +29,7 @@ def test_fd_and_exact_laplacian_agree_on_a_network_with_importance_weight(mixtur
     x = problem.sample(64, torch.Generator().manual_seed(1), "cpu", dtype)
     eps = 0.01
     f1, lap_fd = fd_laplacian(net, problem.log_weight, x, eps=eps)
-    f2, lap_ex = exact_laplacian(net, problem.log_weight, x, net.n_modes)
+    f2, lap_ex = exact_laplacian(net, problem.log_weight, x, net.modes)
     torch.testing.assert_close(f1, f2)
     assert torch.isfinite(lap_ex).all()
     if dtype == torch.float64:
@@ -40,7 +40,7 @@ def test_fd_and_exact_laplacian_agree_on_a_network_with_importance_weight(mixtur
     # |f| at each of the 2D + 1 stencil points divided by eps^2 (~0.03 here, ~20% of the
     # Laplacian, so only a bound of that form holds across CPUs)
     net64 = _net().double()
-    _, lap_64 = exact_laplacian(net64, problem.log_weight, x.double(), net64.n_modes)
+    _, lap_64 = exact_laplacian(net64, problem.log_weight, x.double(), net64.modes)
     assert ((lap_ex.double() - lap_64).abs().max() / lap_64.abs().max()) < 1e-4
     ulp = torch.finfo(dtype).eps
     rounding = 4 * (2 * x.shape[-1] + 1) * ulp * f1.abs().max() / eps**2
@@ -52,7 +52,7 @@ def test_exact_laplacian_of_a_quadratic():
     fn = lambda x: (x**2).sum(-1, keepdim=True) if x.dim() == 2 else (x**2).sum(-1).T  # noqa: E731
     x = torch.randn(10, 3, dtype=torch.float64)
     zero = lambda z: torch.zeros(z.shape[:-1], dtype=z.dtype)  # noqa: E731
-    _, lap = exact_laplacian(fn, zero, x, n_modes=1)
+    _, lap = exact_laplacian(fn, zero, x, modes=1)
     torch.testing.assert_close(lap, torch.full_like(lap, 6.0))
     _, lap_fd = fd_laplacian(fn, zero, x, eps=0.01)
     torch.testing.assert_close(lap_fd, torch.full_like(lap, 6.0))
@@ -64,7 +64,7 @@ class _Analytic(nn.Module):
 
     def __init__(self, problem):
         super().__init__()
-        self.problem, self.n_modes = problem, problem.n_eval
+        self.problem, self.modes = problem, problem.n_eval
 
     def forward(self, x):
         if x.dim() == 2:
@@ -105,7 +105,7 @@ def _full_graph_hamiltonian(model, problem, x, laplacian, eps=0.01):
         ratio = torch.exp(0.5 * (logw[1:] - logw[:1])).unsqueeze(-1)
         ft, lap = out[0], ((ratio * out[1:]).sum(0) - 2 * D * out[0]) / eps**2
     else:
-        xr = x.unsqueeze(0).expand(model.n_modes, -1, -1).clone().requires_grad_(True)
+        xr = x.unsqueeze(0).expand(model.modes, -1, -1).clone().requires_grad_(True)
         ft = model(xr)
         f = ft * torch.exp(0.5 * problem.log_weight(xr)).T
         (grad,) = torch.autograd.grad(f.sum(), xr, create_graph=True)
@@ -161,7 +161,7 @@ def test_the_forward_laplacian_is_autograds_exactly(name, ndim, mixture):
     net = _net(L=5, D=D, kappa=0.3)
     x = problem.sample(40, torch.Generator().manual_seed(2), "cpu", torch.float64)
     centre, lap = forward_laplacian(net, problem.log_weight, x)
-    _, ref = exact_laplacian(net, problem.log_weight, x, net.n_modes)
+    _, ref = exact_laplacian(net, problem.log_weight, x, net.modes)
     torch.testing.assert_close(lap, ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(centre, net(x), rtol=0, atol=0)
     assert centre.requires_grad and not lap.requires_grad

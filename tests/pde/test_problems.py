@@ -60,10 +60,10 @@ def test_eigenfunctions_are_orthonormal_under_the_quadrature(name, ndim, shift):
 def test_spectra_and_degeneracies():
     h = make_problem("hydrogen")
     assert [len(g) for g in degenerate_groups(h.eigenvalues_true)] == [1, 3, 5, 7]
-    assert h.n_modes == 16
+    assert h.modes == 16
     assert h.eigenvalues_true[0] == 1.0 and h.eigenvalues_true[-1] == pytest.approx(1 / 49)
     o = make_problem("oscillator")
-    assert o.shift == 16 and o.n_eval == 28 and o.n_modes == 55
+    assert o.shift == 16 and o.n_eval == 28 and o.modes == 55
     assert [len(g) for g in degenerate_groups(o.eigenvalues_true)] == list(range(1, 8))
     assert min(o.eigenvalues_true) > 0
     for D in (3, 4):
@@ -72,15 +72,15 @@ def test_spectra_and_degeneracies():
         # level n: eigenvalue shift - 2(n + D/2), degeneracy C(n+D-1, D-1)
         assert [len(g) for g in groups] == [math.comb(n + D - 1, D - 1) for n in range(3)]
         assert [p.eigenvalues_true[g[0]] for g in groups] == [6.0, 4.0, 2.0]
-        assert p.n_modes == p.n_eval + math.comb(3 + D - 1, D - 1)  # and the zero level
+        assert p.modes == p.n_eval + math.comb(3 + D - 1, D - 1)  # and the zero level
     # from 5D on, levels 0 and 1 alone: 11 states in 10D
     p = make_problem("oscillator", 10)
-    assert p.n_modes == p.n_eval == 11 and p.shift == 16
+    assert p.modes == p.n_eval == 11 and p.shift == 16
     assert [len(g) for g in degenerate_groups(p.eigenvalues_true)] == [1, 10]
     assert p.eigenvalues_true[:2] == (6.0, 4.0)
     # the atom: H = -1/2 laplacian - 1/r, energies -1/(2 n^2), degeneracy n^2
     a = make_problem("hydrogen-3d")
-    assert (a.ndim, a.kinetic, a.n_modes) == (3, 0.5, 14)
+    assert (a.ndim, a.kinetic, a.modes) == (3, 0.5, 14)
     assert [len(g) for g in degenerate_groups(a.eigenvalues_true)] == [1, 4, 9]
     assert [a.eigenvalues_true[g[0]] for g in degenerate_groups(a.eigenvalues_true)] == [
         0.5, 0.125, pytest.approx(1 / 18)]
@@ -89,7 +89,7 @@ def test_spectra_and_degeneracies():
 def test_a_shift_moves_the_spectrum_and_picks_the_positive_levels():
     # c = 15: the same 28 positive modes one lower, and no level at exactly 0
     o = make_problem("oscillator", shift=15.0)
-    assert o.shift == 15 and o.n_eval == 28 and o.n_modes == 55
+    assert o.shift == 15 and o.n_eval == 28 and o.modes == 55
     assert [o.eigenvalues_true[g[0]] for g in degenerate_groups(o.eigenvalues_true)] == [
         13.0, 11.0, 9.0, 7.0, 5.0, 3.0, 1.0]
     # c = 17.5: level 7 (eigenvalue 1.5) joins the positive ones

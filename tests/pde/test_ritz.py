@@ -19,7 +19,7 @@ class _MixedTruth(nn.Module):
     def __init__(self, problem, mix, states=None, scale=None):
         super().__init__()
         self.problem, self.states = problem, states or problem
-        self.n_modes = mix.shape[1]
+        self.modes = mix.shape[1]
         if scale is None:
             scale = torch.tensor(problem.eigenvalues_true).sqrt()
         self.register_buffer("scale", scale)

@@ -107,10 +107,10 @@ def test_presets_and_overrides():
     assert (h.fourier_features, h.iterations, h.batch_size, h.seed) == (1024, 500_000, 512, 3)
     cpu = parse_args(["hydrogen", "--preset", "cpu"])
     assert cpu.iterations < h.iterations and cpu.fourier_features < h.fourier_features
-    assert cpu.n_modes == 0 and cpu.fourier_scale == h.fourier_scale and cpu.lr == 2e-3
-    assert paper.n_modes == 0  # the problem's L = 55
+    assert cpu.modes == 0 and cpu.fourier_scale == h.fourier_scale and cpu.lr == 2e-3
+    assert paper.modes == 0  # the problem's L = 55
     osc = parse_args(["oscillator", "--preset", "cpu"])
-    assert (osc.n_modes, osc.fourier_scale, osc.lr) == (0, 0.15, 2e-3)
+    assert (osc.modes, osc.fourier_scale, osc.lr) == (0, 0.15, 2e-3)
     assert (osc.batch_size, osc.iterations, osc.train_std) == (128, 18_000, 2.0)
     assert osc.ritz_samples == cpu.ritz_samples == 65_536 and paper.ritz_samples == 0
     # fast arithmetic where it is safe is the default of every preset
@@ -120,7 +120,7 @@ def test_presets_and_overrides():
     # hydrogen's cpu preset adds a narrow component for the cusp; the paper samples one Gaussian
     assert (cpu.train_mix_std, cpu.train_mix_fraction) == (2.0, 0.25)
     assert paper.train_mix_fraction == 0 and osc.train_mix_fraction == 0
-    assert parse_args(["oscillator", "--preset", "cpu", "--n-modes", "28"]).n_modes == 28
+    assert parse_args(["oscillator", "--preset", "cpu", "--modes", "28"]).modes == 28
     # the problems beyond the paper carry their own cpu preset values
     atom = parse_args(["hydrogen-3d", "--preset", "cpu"])
     assert (atom.fourier_scale, atom.train_mix_std, atom.ritz_samples) == (0.2, 1.5, 65_536)

@@ -2,6 +2,7 @@
 equal to an independent torch.distributions mixture and its sampler draws from it (radial
 CDF and second moment); checkpoints of another format are refused."""
 
+import dataclasses
 import math
 
 import pytest
@@ -96,3 +97,20 @@ def test_a_checkpoint_of_another_format_is_refused_with_a_message(tmp_path):
     torch.save(ckpt, path)
     with pytest.raises(ValueError, match="of format 1, this version reads format 2"):
         load_checkpoint(path)
+
+
+def test_a_checkpoint_written_before_a_field_was_renamed_loads_and_resumes(tmp_path):
+    """Files of this format that stored the number of modes as ``n_modes`` load with it as
+    ``modes``, and a run resumes from them."""
+    config = preset("cpu", make_problem("hydrogen"), iterations=2, batch_size=16,
+                    fourier_features=4, hidden=8, threads=1, out=str(tmp_path),
+                    ritz_samples=0, modes=16)
+    train(config, progress=False)
+    path = tmp_path / CHECKPOINT
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["config"] = {("n_modes" if k == "modes" else k): v for k, v in ckpt["config"].items()}
+    torch.save(ckpt, path)
+    loaded, model, _ = load_checkpoint(path)
+    assert loaded == config and model.modes == 16
+    train(dataclasses.replace(config, resume=True), progress=False)  # same settings: resumes
+    assert load_train_state(path)["step"] == 2

@@ -38,7 +38,7 @@ def _double_well(ndim=2, shift=None):
     """A 2D double well, V = (x^2 - 1)^2 + y^2 / 2, of unknown spectrum, with its own
     presets and no figures."""
     return schrodinger(potentials.double_well, ndim, kinetic=0.5,
-                       shift=3.0 if shift is None else shift, n_modes=4, train_std=1.2,
+                       shift=3.0 if shift is None else shift, modes=4, train_std=1.2,
                        name="double-well", presets={"cpu": {"fourier_scale": 0.3}})
 
 
@@ -75,7 +75,7 @@ def _oscillator_through_the_api(quadrature=None):
                         * torch.exp(-(x**2).sum(-1) / 2))
         return torch.stack(cols, -1)
 
-    return schrodinger(lambda x: (x**2).sum(-1), 2, kinetic=1.0, shift=16.0, n_modes=55,
+    return schrodinger(lambda x: (x**2).sum(-1), 2, kinetic=1.0, shift=16.0, modes=55,
                        energies=[2.0 * (a + b + 1) for a, b in states],
                        eigenfunctions=eigenfunctions, train_std=4.0, name="my-oscillator",
                        presets={"cpu": make_problem("oscillator").presets["cpu"]},
@@ -122,12 +122,12 @@ def test_the_oscillator_through_the_public_api_gets_the_builtins_result(registry
 ])
 def test_a_bad_potential_is_refused_before_training(potential, message, tmp_path, capsys):
     with pytest.raises(ValueError, match=message):
-        schrodinger(potential, 2, shift=1.0, n_modes=2)
+        schrodinger(potential, 2, shift=1.0, modes=2)
     # and on the command line, as a usage error naming it, before any training
     name = potential.__name__
     with pytest.raises(SystemExit) as exit_info:
         main(["schrodinger", "--potential", f"tests.pde.potentials:{name}", "--ndim", "2",
-              "--n-modes", "2", "--out", str(tmp_path), *TINY])
+              "--modes", "2", "--out", str(tmp_path), *TINY])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and re.search(message, err)  # and nothing before it
@@ -168,7 +168,7 @@ def test_the_command_line_problem_with_known_energies(tmp_path, capsys):
         (["--ndim", "2"], "needs --potential package.module:function"),
         (["--potential", "tests.pde.potentials:half_harmonic"], "needs --ndim D"),
         (["--potential", "tests.pde.potentials:half_harmonic", "--ndim", "1"],
-         "give --n-modes L (or --energies)"),
+         "give --modes L (or --energies)"),
         (["--potential", "tests.pde.potentials:nothing", "--ndim", "1"],
          "module 'tests.pde.potentials' has no 'nothing'"),
     ]:

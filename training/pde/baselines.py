@@ -24,9 +24,9 @@ class NeuralEF:
     4 {-T phi_l + sum_{i<l} <phi_i, T phi_l> phi_i}. The inner products come from the
     other half of the batch, so the product with phi_i(x) stays unbiased."""
 
-    def __init__(self, n_modes: int):
-        self.n_modes = n_modes
-        self.strict_lower = torch.tril(torch.ones(n_modes, n_modes), diagonal=-1)  # i < l
+    def __init__(self, modes: int):
+        self.modes = modes
+        self.strict_lower = torch.tril(torch.ones(modes, modes), diagonal=-1)  # i < l
 
     def __call__(self, ft: torch.Tensor, Tft: torch.Tensor, params=None):
         norm = ft.pow(2).mean(0).sqrt()  # (L,), L2 batch normalisation
@@ -59,11 +59,11 @@ class SpIN:
     is memory-bound. (tests/pde check the formula against autograd of the masked trace.)
     """
 
-    def __init__(self, n_modes: int, decay: float = 0.99, jitter: float = 1e-10):
+    def __init__(self, modes: int, decay: float = 0.99, jitter: float = 1e-10):
         """jitter: added to Sigma's diagonal before Cholesky, relative to its mean diagonal."""
         if not 0 <= decay < 1:
             raise ValueError(f"SpIN decay must be in [0, 1), got {decay!r}")
-        self.n_modes, self.decay, self.jitter = n_modes, decay, jitter
+        self.modes, self.decay, self.jitter = modes, decay, jitter
         self.sigma: torch.Tensor | None = None  # (L, L) moving average of Sigma
         self.jac: list[torch.Tensor] | None = None  # per parameter (L_m, L_l, ...)
 

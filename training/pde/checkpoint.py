@@ -33,13 +33,15 @@ FORMAT = 2  # 2: problems as Schrodinger operators (kinetic, shift None), "auto"
 # to float rounding, for resuming where no compiler is at hand)
 RESUMABLE = frozenset({"resume", "threads", "device", "out", "checkpoint_every", "eval_points",
                        "ritz_samples", "fused_update"})
+# config fields renamed since files of this format were first written: old name -> new
+RENAMED = {"n_modes": "modes"}
 
 
 def build_model(config: Config, problem: Problem) -> DisjointMLPs:
     """The network a config describes, initialised from ``config.seed``."""
     gen = torch.Generator().manual_seed(config.seed)
     return DisjointMLPs(
-        n_modes=config.n_modes or problem.n_modes,
+        modes=config.modes or problem.modes,
         ndim=problem.ndim,
         fourier_features=config.fourier_features,
         fourier_scale=config.fourier_scale,
@@ -72,7 +74,8 @@ def save_checkpoint(path: str | Path, *, config: Config, step: int, seconds: flo
 
 
 def load_train_state(path: str | Path, map_location="cpu") -> dict:
-    """The raw checkpoint dict; FileNotFoundError or ValueError naming a file that is not one."""
+    """The raw checkpoint dict (its config under today's field names: RENAMED);
+    FileNotFoundError or ValueError naming a file that is not one."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
@@ -86,6 +89,7 @@ def load_train_state(path: str | Path, map_location="cpu") -> dict:
         raise ValueError(f"{str(path)!r} is a training.pde checkpoint of format "
                          f"{ckpt.get('format', 1)}, this version reads format {FORMAT}: "
                          f"train it again")
+    ckpt["config"] = {RENAMED.get(k, k): v for k, v in ckpt["config"].items()}
     return ckpt
 
 

@@ -39,7 +39,7 @@ class Config:
     eigenfunctions: str = ""
     preset: str = ""  # the preset these values started from (set by ``preset``)
     method: str = "neuralsvd-seq"
-    n_modes: int = 0  # 0: the problem's L (16 hydrogen, 55 for the 2D oscillator)
+    modes: int = 0  # 0: the problem's L (16 hydrogen, 55 for the 2D oscillator)
     iterations: int = 500_000
     batch_size: int = 128
     # the last final_steps steps draw final_batch_size samples instead (0, 0: batch_size
@@ -109,7 +109,7 @@ class Config:
                              f"Laplacian, not to {self.laplacian!r}")
         if self.ritz_samples < 0 or self.ritz_samples == 1:
             raise ValueError(f"ritz_samples must be 0 (none) or >= 2, got {self.ritz_samples!r}")
-        for name in ["ndim", "train_std", "kinetic", "n_modes", "eval_points"]:
+        for name in ["ndim", "train_std", "kinetic", "modes", "eval_points"]:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: the problem's), got "
                                  f"{getattr(self, name)!r}")
@@ -138,12 +138,12 @@ def problem_of(config: Config) -> Problem:
         shift=config.shift, potential=config.potential or None,
         kinetic=config.kinetic or None, energies=tuple(config.energies) or None,
         eigenfunctions=config.eigenfunctions or None)
-    L = config.n_modes or problem.n_modes
+    L = config.modes or problem.modes
     if L < 1:
         raise ValueError(f"the problem {problem.name!r} has no number of modes of its own: "
-                         f"give --n-modes L (or --energies)")
+                         f"give --modes L (or --energies)")
     if L < problem.n_eval:
-        raise ValueError(f"n_modes {L} is fewer than the {problem.n_eval} modes "
+        raise ValueError(f"modes {L} is fewer than the {problem.n_eval} modes "
                          f"{problem.name!r} evaluates")
     return problem
 

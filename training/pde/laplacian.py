@@ -56,7 +56,7 @@ def fd_laplacian(fn: Fn, log_weight: Fn, x: torch.Tensor, eps: float = 0.01,
     return centre, lap
 
 
-def exact_laplacian(fn: Fn, log_weight: Fn, x: torch.Tensor, n_modes: int):
+def exact_laplacian(fn: Fn, log_weight: Fn, x: torch.Tensor, modes: int):
     """The same quantity by autograd (D + 1 backward passes in x). fn must accept one input
     per mode, (L, B, D) -> (B, L), so that d f_l / d x is separate for each mode l.
 
@@ -64,7 +64,7 @@ def exact_laplacian(fn: Fn, log_weight: Fn, x: torch.Tensor, n_modes: int):
     their own and free the network's, and fn(x) is evaluated once more for the caller's
     graph, which then holds the B centres alone (backward through the inputs of the
     first pass would cost a second first-layer product)."""
-    L, D = n_modes, x.shape[1]
+    L, D = modes, x.shape[1]
     xr = x.detach().unsqueeze(0).expand(L, -1, -1).clone().requires_grad_(True)  # (L, B, D)
     with torch.enable_grad():
         ft = fn(xr)  # (B, L)
@@ -115,7 +115,7 @@ def negative_hamiltonian(model, problem, x: torch.Tensor, laplacian: str = "fd",
     if laplacian == "fd":
         ft, lap = fd_laplacian(model, problem.log_weight, x, eps, precision)
     elif laplacian == "exact":
-        ft, lap = exact_laplacian(model, problem.log_weight, x, model.n_modes)
+        ft, lap = exact_laplacian(model, problem.log_weight, x, model.modes)
     elif laplacian == "forward":
         ft, lap = forward_laplacian(model, problem.log_weight, x)
     else:

@@ -17,8 +17,8 @@ class NestedLoRA:
     """NeuralSVD for a self-adjoint operator: the NestedLoRA objective of ``training.loss``
     (sequential, joint or no nesting); eigenvalues are the norms E[f~^2] = <f, f>."""
 
-    def __init__(self, n_modes: int, nesting: str):
-        self.vector_mask, self.matrix_mask = nesting_masks(n_modes, nesting)
+    def __init__(self, modes: int, nesting: str):
+        self.vector_mask, self.matrix_mask = nesting_masks(modes, nesting)
 
     def __call__(self, ft: torch.Tensor, Tft: torch.Tensor, params=None):
         return evd_loss(ft, Tft, self.vector_mask, self.matrix_mask), eigenvalues(ft.detach())
@@ -39,7 +39,7 @@ METHODS: dict[str, Callable[..., object]] = {
 }
 
 
-def make_method(name: str, n_modes: int, config):
+def make_method(name: str, modes: int, config):
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {list(METHODS)}")
-    return METHODS[name](n_modes, config)
+    return METHODS[name](modes, config)

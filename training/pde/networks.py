@@ -63,7 +63,7 @@ class DisjointMLPs(nn.Module):
 
     def __init__(
         self,
-        n_modes: int,
+        modes: int,
         ndim: int,
         fourier_features: int,
         fourier_scale: float,
@@ -72,7 +72,7 @@ class DisjointMLPs(nn.Module):
     ):
         super().__init__()
         for name, value in [
-            ("n_modes", n_modes),
+            ("modes", modes),
             ("ndim", ndim),
             ("fourier_features", fourier_features),
             ("hidden", hidden),
@@ -81,8 +81,8 @@ class DisjointMLPs(nn.Module):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not fourier_scale > 0:
             raise ValueError(f"fourier_scale must be positive, got {fourier_scale!r}")
-        self.n_modes, self.ndim = n_modes, ndim
-        L, D, K, H = n_modes, ndim, fourier_features, hidden
+        self.modes, self.ndim = modes, ndim
+        L, D, K, H = modes, ndim, fourier_features, hidden
         freq = 2 * math.pi * fourier_scale * torch.randn(L, D, K, generator=generator)
         self.register_buffer("freq", freq)  # (L, D, K), fixed
 
@@ -96,7 +96,7 @@ class DisjointMLPs(nn.Module):
         self.w3, self.b3 = uniform(H, L, H, 1), uniform(H, L, 1, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        L = self.n_modes
+        L = self.modes
         if x.dim() == 2:
             x = x.unsqueeze(0).expand(L, -1, -1)  # (L, B, D), a view
         if x.dim() != 3 or x.shape[0] != L or x.shape[2] != self.ndim:
@@ -156,7 +156,7 @@ class DisjointMLPs(nn.Module):
         paper's K = 1024, batch 128; 15 of the oscillator's small ones), all of them
         elsewhere (where each product is a kernel launch).
         """
-        L, D = self.n_modes, self.ndim
+        L, D = self.modes, self.ndim
         if x.dim() != 2 or x.shape[1] != D:
             raise ValueError(f"stencil centres must be (B, {D}), got {tuple(x.shape)}")
         if x.requires_grad:
@@ -175,7 +175,7 @@ class DisjointMLPs(nn.Module):
 
     def _fd_stencil_fp32(self, x: torch.Tensor, eps: float, m: int):
         """fd_stencil's precision "fp32" (see there), in chunks of m modes."""
-        L, D, H = self.n_modes, self.ndim, self.w2.shape[-1]
+        L, D, H = self.modes, self.ndim, self.w2.shape[-1]
         B, K = x.shape[0], self.freq.shape[-1]
         xl = x.unsqueeze(0).expand(L, -1, -1)  # (L, B, D)
         # In chunks of m modes, through to the output: on the CPU a chunk's features,
@@ -210,7 +210,7 @@ class DisjointMLPs(nn.Module):
 
     def _fd_stencil_bf16(self, x: torch.Tensor, eps: float, m: int):
         """fd_stencil's precision "bf16" (see there), in chunks of m modes."""
-        L, D, H = self.n_modes, self.ndim, self.w2.shape[-1]
+        L, D, H = self.modes, self.ndim, self.w2.shape[-1]
         B, K = x.shape[0], self.freq.shape[-1]
         xl = x.unsqueeze(0).expand(L, -1, -1)  # (L, B, D)
         with torch.no_grad():
@@ -268,7 +268,7 @@ class DisjointMLPs(nn.Module):
         s'' sum_i (d_i a)^2 (s' = sigmoid, s'' = sigmoid (1 - sigmoid)), and each linear
         layer maps value, gradient and Laplacian alike. modes_per_product: as for
         ``fd_stencil``."""
-        L, D = self.n_modes, self.ndim
+        L, D = self.modes, self.ndim
         if x.dim() != 2 or x.shape[1] != D or x.requires_grad:
             raise ValueError(f"x must be (B, {D}) without grad, got {tuple(x.shape)}")
         B, K = x.shape[0], self.freq.shape[-1]

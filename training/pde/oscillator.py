@@ -107,7 +107,7 @@ def oscillator(ndim: int = 2, shift: float | None = None) -> Problem:
     if not isinstance(ndim, int) or ndim < 1:
         raise ValueError(f"ndim must be a positive integer, got {ndim!r}")
     default_levels, learned_levels = _levels(ndim)
-    n_modes = len(oscillator_states(ndim, learned_levels - 1))
+    modes = len(oscillator_states(ndim, learned_levels - 1))
     if shift is None:
         shift = float(2 * default_levels + ndim)  # level n has eigenvalue c - 2n - D
     shift = float(shift)
@@ -127,7 +127,7 @@ def oscillator(ndim: int = 2, shift: float | None = None) -> Problem:
         quad = partial(quadrature.gaussian_qmc, 0.8, ndim)
         quad_name = "quasi-Monte Carlo importance sampling from N(0, 0.8^2 I)"
     return schrodinger(
-        harmonic, ndim, kinetic=1.0, shift=shift, name="oscillator", n_modes=n_modes,
+        harmonic, ndim, kinetic=1.0, shift=shift, name="oscillator", modes=modes,
         energies=[2 * (sum(s) + ndim / 2) for s in positive],
         eigenfunctions=partial(_eigenfunctions, positive),
         # the paper's N(0, 4^2 I) in 2D, N(0, 2^2 I) elsewhere: std 4 leaves too few

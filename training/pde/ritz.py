@@ -48,7 +48,7 @@ def ritz_rotation(model, problem: Problem, n_samples: int, seed: int, laplacian:
     m = copy.deepcopy(model).double().cpu().requires_grad_(False)
     gen = torch.Generator().manual_seed(seed)
     x = problem.sample(n_samples, gen, "cpu", torch.float64)
-    L = m.n_modes
+    L = m.modes
     A = torch.zeros(L, L, dtype=torch.float64)
     G = torch.zeros(L, L, dtype=torch.float64)
     for xc in x.split(chunk):  # (the exact Laplacian enables its own gradients in x)

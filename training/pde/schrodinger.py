@@ -12,7 +12,7 @@ coefficient in atomic units; the paper's 2D problems use k = 1.
     def double_well(x):  # (B, D) -> (B,)
         return (x[:, 0] ** 2 - 1) ** 2 + 0.5 * (x[:, 1:] ** 2).sum(-1)
 
-    problem = schrodinger(double_well, ndim=2, shift=4.0, n_modes=6, train_std=1.5)
+    problem = schrodinger(double_well, ndim=2, shift=4.0, modes=6, train_std=1.5)
 
 A ``Problem`` is complete: besides the operator it carries its sampling distribution
 (importance weight w = p_train), its evaluation rule, its known spectrum when there is one,
@@ -66,7 +66,7 @@ class Problem:
     potential: Fn
     kinetic: float = 0.5
     shift: float = 0.0
-    n_modes: int = 0  # L learned by default (0: none set; the Config's n_modes must be)
+    modes: int = 0  # L learned by default (0: none set; the Config's modes must be)
     eigenvalues_true: tuple[float, ...] = ()
     eigenfunctions: Fn | None = None
     train_std: float = 1.0
@@ -178,7 +178,7 @@ def check_potential(problem: Problem) -> None:
 
 
 def schrodinger(potential: Fn, ndim: int, *, kinetic: float = 0.5, shift: float = 0.0,
-                n_modes: int | None = None, energies: Sequence[float] = (),
+                modes: int | None = None, energies: Sequence[float] = (),
                 eigenfunctions: Fn | None = None, train_std: float = 1.0,
                 mix_std: float = 0.0, mix_fraction: float = 0.0, name: str = "schrodinger",
                 quadrature=None, quadrature_name: str | None = None,
@@ -194,7 +194,7 @@ def schrodinger(potential: Fn, ndim: int, *, kinetic: float = 0.5, shift: float 
     energies: known lowest energies of H, ascending, for the measures (the first
         len(energies) modes are scored against them); eigenfunctions: (B, ndim) ->
         (B, len(energies)), the matching orthonormal eigenfunctions, optional.
-    n_modes: L, the modes learned (default: len(energies)).
+    modes: L, the modes learned (default: len(energies)).
     train_std, mix_std, mix_fraction: the sampling distribution of training points.
     quadrature: (device, n) -> (x, weights), the evaluation rule (default: importance
         sampling from p_train). presets, grid, figures: see ``Problem``.
@@ -214,15 +214,15 @@ def schrodinger(potential: Fn, ndim: int, *, kinetic: float = 0.5, shift: float 
                          f"must be positive on the states wanted; choose shift > {max(too_high)}")
     if eigenfunctions is not None and not energies:
         raise ValueError("eigenfunctions need their energies (energies=...)")
-    L = len(energies) if n_modes is None else n_modes
+    L = len(energies) if modes is None else modes
     if not isinstance(L, int) or L < len(energies):
-        raise ValueError(f"n_modes must be an integer >= the {len(energies)} known energies, "
-                         f"got {n_modes!r}")
+        raise ValueError(f"modes must be an integer >= the {len(energies)} known energies, "
+                         f"got {modes!r}")
     if not train_std > 0:
         raise ValueError(f"train_std must be positive, got {train_std!r}")
     problem = Problem(
         name=name, ndim=ndim, potential=potential, kinetic=float(kinetic), shift=float(shift),
-        n_modes=L, eigenvalues_true=tuple(shift - e for e in energies),
+        modes=L, eigenvalues_true=tuple(shift - e for e in energies),
         eigenfunctions=eigenfunctions, train_std=float(train_std), quadrature=quadrature,
         quadrature_name=quadrature_name or (
             "Monte Carlo importance sampling from p_train" if quadrature is None else "custom"),

@@ -88,7 +88,7 @@ class Trainer:
                 update = None  # torch's update, in several passes
         return cls(config, problem, device, model, ema, optimizer,
                    make_schedule(optimizer, config.iterations, config.lr_floor),
-                   make_method(config.method, model.n_modes, config), update,
+                   make_method(config.method, model.modes, config), update,
                    torch.Generator().manual_seed(config.seed + 1))
 
     def update_kind(self) -> str:
@@ -193,7 +193,7 @@ def train(config: Config, progress: bool = True) -> tuple[DisjointMLPs, dict]:
     arithmetic["update"] = run.update_kind()
     log.info("parameter update: %s (%s)", arithmetic["update"], arithmetic["fused_update_why"])
     step, seconds = 0, 0.0
-    running = torch.zeros(run.model.n_modes, dtype=torch.float64)
+    running = torch.zeros(run.model.modes, dtype=torch.float64)
     if config.resume and ckpt_path.exists():
         ckpt = load_train_state(ckpt_path, map_location=device)
         check_resumable(ckpt["config"], config)
