@@ -508,7 +508,8 @@ def preset_features(cfg: Config) -> dict:
 
     def extract(files, modality):
         return extract_features(files, backbones[modality], input_size(cfg, modality),
-                                cfg.cache_dir or None, desc=f"{modality}s")
+                                cfg.cache_dir or None,
+                                desc="sketches" if modality == "sketch" else "photos")
 
     return load_features(cfg.data, cfg.split, extract, pairs=True)
 

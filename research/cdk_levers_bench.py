@@ -194,7 +194,8 @@ def lever_features(data: str, split: str, out: Path, backbone: str) -> dict:
     size = BACKBONES[backbone].native_size
 
     def extract(files, modality):
-        feats = _features(files, bb, size, lambda im: im, f"{modality}s")
+        feats = _features(files, bb, size, lambda im: im,
+                          "sketches" if modality == "sketch" else "photos")
         if modality == "sketch":
             thick = _features(files, bb, size, _thicken, "sketches, strokes thickened")
             feats.update({"thick_" + k: v for k, v in thick.items()})
