@@ -100,8 +100,8 @@ class HostMiddleware:
         self.allowed = allowed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        value = header(scope, b"host")
-        if scope["type"] != "http" or value is None:
+        value = header(scope, b"host") if scope["type"] == "http" else None
+        if value is None:
             return await self.app(scope, receive, send)
         name = split_host(value.decode("latin-1"))[0]
         if self.allowed is not None:
@@ -127,7 +127,7 @@ def same_origin(origin: str, host: str) -> bool:
     except ValueError:  # a port that is no number
         return False
     name, port = split_host(host)
-    return (split_host(parts.hostname or "")[0] == name
+    return (parts.hostname is not None and split_host(parts.hostname)[0] == name
             and origin_port == (port or DEFAULT_PORTS.get(parts.scheme)))
 
 

@@ -67,7 +67,7 @@ class Admission:
         self.rejected = 0
 
     def busy(self) -> str:
-        return (f"busy: {self.active} retrievals in progress; retry after {RETRY_AFTER}s")
+        return f"busy: {self.active} retrievals in progress; retry after {RETRY_AFTER}s"
 
 
 class AdmissionMiddleware:

@@ -315,6 +315,8 @@ def test_uploads_per_client_address_are_capped(fake_index):
     assert beside == [200, 200] and after == [200, 200]
     assert [c for c, _ in first_two] == [408, 408]
     assert app.state.uploads.by_client == {}  # every count given back
+    scrape = app.state.metrics.render().decode()
+    assert "sketchsvd_uploads_refused_total 1.0" in scrape and "sketchsvd_uploads 0.0" in scrape
 
 
 def test_open_connections_are_capped(fake_index):

@@ -81,7 +81,7 @@ def test_same_origin_compares_host_and_port():
     assert same_origin("http://[::1]:8000", "[::1]:8000")
     assert not same_origin("http://localhost:8001", "localhost:8000")
     assert not same_origin("https://evil.example", "localhost:8000")
-    assert not same_origin("null", "localhost:8000")
+    assert not same_origin("null", "localhost:8000") and not same_origin("null", "")
     assert not same_origin("http://localhost:x", "localhost:8000")
 
 
