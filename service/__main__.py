@@ -53,9 +53,9 @@ def _main(argv: list[str]) -> int:
     except IndexStoreError as err:
         print(f"error: {err}; build the index first: {build_hint(settings)}", file=sys.stderr)
         return 2
+    app = create_app(settings)  # refuses bad keys before anything says it serves
     print(f"serving on http://{settings.host}:{settings.port}/ (open it in a browser to draw)",
           flush=True)
-    app = create_app(settings)
     server = Server(server_config(app, settings), app.state.drain)
     server.run()
     return 0 if server.started else 2  # not started: the reason is logged ("cannot start")

@@ -14,8 +14,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
-from service.auth import AuthMiddleware, Keys, read_keys
+from service.auth import AuthMiddleware, Keys, read_admin_keys, read_keys
+from service.guard import (
+    HeadersMiddleware,
+    HostMiddleware,
+    OriginMiddleware,
+    exposure_warnings,
+    http_error,
+)
 from service.loading import load_engine
 from service.metrics import Metrics, MetricsMiddleware
 from service.middleware import (
@@ -23,6 +31,7 @@ from service.middleware import (
     Admission,
     AdmissionMiddleware,
     BodyLimitMiddleware,
+    Uploads,
 )
 from service.policy import RouteTable
 from service.reload import Reloader
@@ -82,20 +91,31 @@ def create_app(
     # loop (service.routes.retrieve), so waiting requests hold no thread.
     state.slots = CapacityLimiter(settings.inference_slots)
     state.admission = Admission(settings.max_pending)
-    state.keys = Keys(read_keys(settings), settings.signed_url_ttl)
+    state.uploads = Uploads(settings.max_uploads_per_client)
+    state.keys = Keys(read_keys(settings), settings.signed_url_ttl,
+                      admin=read_admin_keys(settings))
+    state.warnings = exposure_warnings(settings, state.keys.enabled)
     state.metrics = Metrics(state)
     state.drain = Drain(settings.shutdown_timeout)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
     app.openapi = lambda: schema_with_bounds(app, settings)
     table = RouteTable(lambda: app.routes, settings)
-    # Outermost last: access log, metrics, CORS, drain, keys, admission, body limit.
-    app.add_middleware(BodyLimitMiddleware, table=table, timeout=settings.body_timeout)
+    # Outermost last: access log, metrics, headers, allowed hosts, CORS, Origin check,
+    # drain, keys, body (size, pace, parts, uploads per client), admission (once the body
+    # is in).
     app.add_middleware(AdmissionMiddleware, table=table, admission=state.admission)
+    app.add_middleware(BodyLimitMiddleware, table=table, timeout=settings.body_timeout,
+                       min_rate=settings.body_min_rate, uploads=state.uploads)
     app.add_middleware(AuthMiddleware, table=table, keys=state.keys)
     app.add_middleware(DrainMiddleware, drain=state.drain)
+    app.add_middleware(OriginMiddleware, allowed_origins=settings.cors_origins,
+                       keys_enabled=state.keys.enabled)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins,
                            allow_methods=["GET", "POST"], allow_headers=["*"])
+    app.add_middleware(HostMiddleware, allowed=settings.allowed_hosts)
+    app.add_middleware(HeadersMiddleware)
     app.add_middleware(MetricsMiddleware, table=table, metrics=state.metrics)
     app.add_middleware(AccessLogMiddleware)
     for router in (retrieve.router, photos.router, system.router, admin.router, web.router):
@@ -116,6 +136,8 @@ def _lifespan(settings: Settings, loader: Callable[[Settings], RetrievalEngine])
             log.error("cannot start: %s: %s", type(err).__name__, err)
             raise
         app.state.engine = engine
+        for warning in app.state.warnings:
+            log.warning("%s", warning)
         poller = None
         if engine is not None:
             app.state.reloader = Reloader(engine, settings.index, on_swap=lambda: setattr(

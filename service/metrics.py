@@ -8,6 +8,8 @@
     sketchsvd_admitted_total, sketchsvd_rejected_total retrieval requests admitted / refused
                                                        (503, over max_pending)
     sketchsvd_in_flight                                retrieval requests admitted now
+    sketchsvd_uploads, sketchsvd_uploads_refused_total bodies arriving now / requests refused
+                                                       with 429 (max_uploads_per_client)
     sketchsvd_inference_slots_busy, _slots             slots computing now / their number
     sketchsvd_index_photos, sketchsvd_index_info{version, kind}, sketchsvd_index_versions_open,
     sketchsvd_index_reloads_total, sketchsvd_index_refusals_total
@@ -47,6 +49,10 @@ class _State(Collector):
                                   "(over max_pending)", value=s.admission.rejected)
         yield GaugeMetricFamily("sketchsvd_in_flight", "retrieval requests admitted now",
                                 value=s.admission.active)
+        yield GaugeMetricFamily("sketchsvd_uploads", "request bodies arriving now",
+                                value=sum(s.uploads.by_client.values()))
+        yield CounterMetricFamily("sketchsvd_uploads_refused", "requests refused with 429 "
+                                  "(max_uploads_per_client)", value=s.uploads.refused)
         yield GaugeMetricFamily("sketchsvd_inference_slots_busy", "retrievals computing now",
                                 value=s.slots.borrowed_tokens)
         yield GaugeMetricFamily("sketchsvd_inference_slots", "retrievals that may compute at "

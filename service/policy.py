@@ -5,8 +5,10 @@
     async def retrieve(...): ...
 
 `body` is the largest request body the route takes (a function of the settings; default
-SMALL_BODY_BYTES), `admitted` counts its requests against `max_pending` (503 beyond it),
-`public` leaves it open when API keys are on and `signed` also opens it to a signed URL
+SMALL_BODY_BYTES), `files` the most files a multipart body may hold (default none; FORM_FIELDS
+other parts are allowed beside them), `admitted` counts its requests against `max_pending`
+(503 beyond it) once their body is in, `public` leaves it open when API keys are on,
+`signed` also opens it to a signed URL and `admin` closes it to all but admin keys
 (service.auth). The middleware (service.middleware) reads the
 policies from the app's routes, so a new route is written in one place: its router.
 A path that matches no route gets the default policy.
@@ -25,6 +27,10 @@ from starlette.types import Scope
 
 from service.settings import SMALL_BODY_BYTES, Settings
 
+# Multipart parts other than files a body may hold (none of the routes reads one; a client
+# may send a few, e.g. a browser form's button).
+FORM_FIELDS = 8
+
 ATTRIBUTE = "edge_policy"
 UNMATCHED = "unmatched"  # the route label of paths that match no route
 
@@ -35,15 +41,19 @@ class Policy:
     admitted: bool = False
     public: bool = False
     signed: bool = False
+    files: Callable[[Settings], int] = lambda settings: 0
+    admin: bool = False
 
 
 DEFAULT = Policy()
 
 
 def policy(body: Callable[[Settings], int] | None = None, admitted: bool = False,
-           public: bool = False, signed: bool = False) -> Callable:
+           public: bool = False, signed: bool = False,
+           files: Callable[[Settings], int] | None = None, admin: bool = False) -> Callable:
     """Decorator of a route's endpoint (or a mounted app) declaring its Policy."""
-    declared = Policy(body or DEFAULT.body, admitted, public, signed)
+    declared = Policy(body or DEFAULT.body, admitted, public, signed, files or DEFAULT.files,
+                      admin)
 
     def declare(target: Any) -> Any:
         setattr(target, ATTRIBUTE, declared)
@@ -54,13 +64,16 @@ def policy(body: Callable[[Settings], int] | None = None, admitted: bool = False
 
 @dataclass(frozen=True)
 class Rule:
-    """A route's policy with the settings applied: body limit in bytes."""
+    """A route's policy with the settings applied: body limit in bytes, the most parts of
+    a multipart body."""
 
     name: str  # the route's path template, e.g. "/photos/{photo_id}" (a metrics label)
     body: int
     admitted: bool
     public: bool
     signed: bool
+    parts: int
+    admin: bool
 
 
 class RouteTable:
@@ -75,7 +88,8 @@ class RouteTable:
 
     def _rule(self, name: str, declared: Policy) -> Rule:
         return Rule(name, int(declared.body(self._settings)), declared.admitted, declared.public,
-                    declared.signed)
+                    declared.signed, int(declared.files(self._settings)) + FORM_FIELDS,
+                    declared.admin)
 
     def _build(self) -> list[tuple[re.Pattern, frozenset[str] | None, Rule]]:
         rules = []

@@ -40,12 +40,14 @@ class ErrorOut(BaseModel):
 ERROR_MEANING = {
     400: "empty, truncated or damaged image",
     401: "API keys are on and the request has no valid key (or signed URL)",
+    403: "an API key on an admin route, or a POST from another site's page (keys off)",
     404: "unknown photo id",
-    408: "request body not received in time",
+    408: "request body too slow",
     409: "the new index version is refused (the reason is named; the old one serves on)",
-    413: "body, file, pixel count or batch over its limit",
+    413: "body, file, pixel count, batch or multipart parts over its limit",
     415: "not a PNG/JPEG/WebP image",
     422: "a parameter or field is missing or out of range",
+    429: "too many uploads in progress from this client address (see Retry-After)",
     503: "not loaded yet, busy or shutting down (see Retry-After)",
 }
 
@@ -94,6 +96,8 @@ class InfoOut(BaseModel):
     index_version: str | None  # the version folder served (None: an index without versions)
     metric: str
     limits: Limits
+    # what the operator should know, e.g. listening beyond loopback without API keys
+    warnings: list[str] = []
 
 
 class ReloadOut(BaseModel):

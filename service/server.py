@@ -1,12 +1,14 @@
-"""The uvicorn server of `python -m service`: connection timeouts, header size bound and
-graceful shutdown.
+"""The uvicorn server of `python -m service`: connection timeouts, header size bound, the cap
+on open connections and graceful shutdown.
 
 uvicorn closes idle keep-alive connections (`timeout_keep_alive`) and bounds the size of
 request headers (`h11_max_incomplete_event_size`), but has no time limit on receiving them:
 a client sending one header byte every few seconds holds its connection forever. The
 protocol below closes a connection whose request headers are not complete within
 `header_timeout` seconds of its opening or of the previous response. The body has its own
-deadline (`service.middleware.BodyLimitMiddleware`, 408).
+deadline and pace (`service.middleware.BodyLimitMiddleware`, 408). A request that finds
+`max_connections` connections open is answered 503 by uvicorn (`limit_concurrency`, a plain
+text body) and its connection closed.
 
 `Server` drains on SIGTERM or SIGINT (service.shutdown): new requests are answered 503 while
 the admitted ones finish, then uvicorn stops; the process exits 0 (uvicorn would raise the
@@ -72,6 +74,7 @@ def server_config(app: FastAPI, settings: Settings, **overrides) -> uvicorn.Conf
                    access_log=False, http=protocol,
                    timeout_keep_alive=settings.keep_alive_timeout,
                    h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                   limit_concurrency=settings.max_connections,
                    # after the drain: what is left are idle keep-alive connections
                    timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout)))
     return uvicorn.Config(app, **{**options, **overrides})

@@ -58,11 +58,14 @@ class Settings(BaseSettings):
                              "activation memory of a batch request (raise it on a GPU)")
     max_pending: int = Field(
         default=32, ge=1, description="retrieval requests admitted at once (running or waiting "
-        "for a slot); more are answered 503 with Retry-After before their body is read")
+        "for a slot); a request counts once its body is in, and more are answered 503 with "
+        "Retry-After")
     header_timeout: float = Field(default=10.0, gt=0,
                                   description="seconds to receive a request's headers")
-    body_timeout: float = Field(default=30.0, gt=0,
-                                description="seconds to receive a request's body")
+    body_timeout: float = Field(
+        default=10.0, gt=0, description="seconds a request's body may take before it must "
+        "keep up body_min_rate: a body of n bytes has body_timeout + n / body_min_rate "
+        "seconds, and is 408 when it falls behind")
     keep_alive_timeout: int = Field(default=5, ge=1,
                                     description="seconds an idle connection stays open")
 
@@ -81,6 +84,27 @@ class Settings(BaseSettings):
     signed_url_ttl: int = Field(
         default=300, ge=1, description="seconds a signed photo URL in a result stays valid "
         "(keys on)")
+
+    # The edge against hostile clients (docs/service.md, Security).
+    body_min_rate: int = Field(
+        default=4096, ge=1, description="bytes/s a request body must average once "
+        "body_timeout is spent")
+    max_uploads_per_client: int = Field(
+        default=32, ge=1, description="requests from one client address whose body is still "
+        "arriving; more are answered 429 before their body is read")
+    max_connections: int = Field(
+        default=512, ge=2, description="open connections; a request that finds them all "
+        "open is answered 503 (uvicorn's limit_concurrency)")
+    admin_keys: list[str] = Field(
+        default=[], description="keys for /admin/* (SKETCHSVD_ADMIN_KEYS as a JSON list). An "
+        "admin key opens every route, an API key every route but /admin/*, which is closed "
+        "when there are API keys and no admin key")
+    admin_keys_file: Path | None = Field(
+        default=None, description="a file of admin keys, one a line (# comments)")
+    allowed_hosts: list[str] | None = Field(
+        default=None, description="the names the service answers to in the Host header "
+        "('*': any, '*.example.org': its subdomains); None: a request that arrives on a "
+        "loopback address must name a loopback host (DNS rebinding), others any")
 
     max_upload_bytes: int = Field(default=5 * 1024 * 1024, ge=1)
     max_pixels: int = Field(default=4096 * 4096, ge=1, description="width x height of an upload")

@@ -1,5 +1,6 @@
-"""Operations: POST /admin/reload (serve the index version CURRENT names now) and GET /metrics
-(Prometheus text format). Both need the API key when keys are on."""
+"""Operations: POST /admin/reload (serve the index version CURRENT names now; an admin key when
+any key is configured, service.auth) and GET /metrics (Prometheus text format; the API key
+when keys are on)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from fastapi import APIRouter, HTTPException, Request, Response
 
 from service.deps import EngineDep
 from service.metrics import CONTENT_TYPE
+from service.policy import policy
 from service.schemas import ERRORS, ReloadOut
 
 router = APIRouter(tags=["operations"])
 
 
-@router.post("/admin/reload", response_model=ReloadOut, responses=ERRORS(401, 409, 503))
+@router.post("/admin/reload", response_model=ReloadOut, responses=ERRORS(401, 403, 409, 503))
+@policy(admin=True)
 async def reload(request: Request, engine: EngineDep) -> ReloadOut:
     """Check the index folder now (the service also polls it): a new version is opened,
     checked and served; 409 names the reason when it is refused (the old one keeps

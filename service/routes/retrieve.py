@@ -55,7 +55,7 @@ def resolve_params(engine: RetrievalEngine, settings: Settings, dims: int | None
     return dims, k
 
 
-RETRIEVE_ERRORS = ERRORS(400, 401, 408, 413, 415, 422, 503)
+RETRIEVE_ERRORS = ERRORS(400, 401, 403, 408, 413, 415, 422, 429, 503)
 
 
 def upload_of(file: UploadFile, limit: int) -> tuple[str, BinaryIO]:
@@ -90,7 +90,7 @@ async def run_retrieval(ctx: Retrieval, uploads, dims: int, k: int, response: Re
 
 @router.post("/retrieve", response_model=RetrieveOut, response_model_by_alias=True,
              responses=RETRIEVE_ERRORS)
-@policy(body=lambda s: s.max_file_body_bytes, admitted=True)
+@policy(body=lambda s: s.max_file_body_bytes, files=lambda s: 1, admitted=True)
 async def retrieve(
     file: Annotated[UploadFile, File(description="the sketch, PNG/JPEG/WebP")],
     ctx: RetrievalDep,
@@ -107,7 +107,7 @@ async def retrieve(
 
 @router.post("/retrieve/batch", response_model=BatchOut, response_model_by_alias=True,
              responses=RETRIEVE_ERRORS)
-@policy(body=lambda s: s.max_body_bytes, admitted=True)
+@policy(body=lambda s: s.max_body_bytes, files=lambda s: s.max_batch, admitted=True)
 async def retrieve_batch(
     files: Annotated[list[UploadFile], File(description="several sketches")],
     ctx: RetrievalDep,

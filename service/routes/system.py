@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from service.deps import EngineDep, SettingsDep
 from service.policy import policy
@@ -20,7 +20,7 @@ async def health(engine: EngineDep) -> HealthOut:
 
 
 @router.get("/info", response_model=InfoOut, responses=ERRORS(503))
-def info(engine: EngineDep, settings: SettingsDep) -> InfoOut:
+def info(engine: EngineDep, settings: SettingsDep, request: Request) -> InfoOut:
     gallery, version = engine.galleries.current()
     side = gallery.sidecar
     model = engine.checkpoint.name if engine.checkpoint is not None else side.checkpoint
@@ -47,4 +47,5 @@ def info(engine: EngineDep, settings: SettingsDep) -> InfoOut:
         limits=Limits(max_upload_bytes=settings.max_upload_bytes, max_pixels=settings.max_pixels,
                       max_k=settings.max_k, default_k=settings.default_k,
                       max_batch=settings.max_batch, max_pending=settings.max_pending),
+        warnings=request.app.state.warnings,
     )

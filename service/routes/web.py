@@ -8,6 +8,7 @@ from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
+from service.guard import PAGE_HEADERS
 from service.policy import policy
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
@@ -23,4 +24,5 @@ def static_files() -> StaticFiles:
 @router.get("/", response_class=HTMLResponse, include_in_schema=False)
 @policy(public=True)
 def page() -> HTMLResponse:
-    return HTMLResponse((STATIC_DIR / "index.html").read_text(encoding="utf-8"))
+    return HTMLResponse((STATIC_DIR / "index.html").read_text(encoding="utf-8"),
+                        headers=PAGE_HEADERS)

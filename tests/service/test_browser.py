@@ -1,4 +1,5 @@
-"""The drawing page in headless Chromium: draw with mouse and touch, move the slider, upload."""
+"""The drawing page in headless Chromium: draw with mouse and touch, move the slider, upload;
+all of it within the page's content security policy."""
 
 import shutil
 from pathlib import Path
@@ -20,11 +21,18 @@ def page(live_server):
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=ARGS)
         context = browser.new_context(has_touch=True, viewport={"width": 1000, "height": 800})
+        context.add_init_script(CSP_WATCH)
         pg = context.new_page()
-        pg.goto(live_server + "/")
+        pg.csp = pg.goto(live_server + "/").headers.get("content-security-policy")
         pg.wait_for_selector("body[data-ready='1']", timeout=20_000)
         yield pg
         browser.close()
+
+
+# Every violation of the page's content security policy, as the browser reports it.
+CSP_WATCH = """window.cspViolations = [];
+document.addEventListener('securitypolicyviolation',
+    e => window.cspViolations.push(e.violatedDirective + ' ' + e.blockedURI));"""
 
 
 def drawn_pixels(page) -> int:
@@ -108,6 +116,12 @@ def test_error_is_shown_for_a_bad_upload(page, tmp_path):
     assert resp.value.status == 415
     page.wait_for_function("document.getElementById('status').className === 'error'")
     assert "is not a PNG/JPEG/WEBP image" in page.text_content("#status")
+
+
+def test_drawing_and_uploading_break_no_rule_of_the_pages_policy(page):
+    """After the tests above (strokes, touch, slider, uploads and their previews)."""
+    assert page.csp and "frame-ancestors 'none'" in page.csp
+    assert page.evaluate("window.cspViolations") == []
 
 
 def test_the_page_asks_for_the_key_when_the_service_needs_one(real_index, page):

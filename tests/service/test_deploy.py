@@ -281,6 +281,28 @@ def test_api_service(compose, tmp_path):
     assert api["ports"][0].endswith(":8000")
 
 
+def test_api_is_published_on_loopback_unless_asked(compose, monkeypatch, fake_index):
+    """Out of the box the service is reached from this host only; keys and host names pass
+    through from the environment, and the defaults make settings that start."""
+    api = compose["services"]["api"]
+    (ports,) = api["ports"]
+    assert interpolate(ports, {}) == "127.0.0.1:8000:8000"
+    assert interpolate(ports, {"SKETCHSVD_ADDRESS": "0.0.0.0"}) == "0.0.0.0:8000:8000"
+    env = {k: interpolate(str(v), {}) for k, v in api["environment"].items()}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = Settings(index=fake_index[0])
+    assert (settings.api_keys, settings.admin_keys) == ([], [])
+    assert settings.allowed_hosts == ["localhost", "127.0.0.1"]  # what the healthcheck sends
+    given = {"SKETCHSVD_API_KEYS": '["k1"]', "SKETCHSVD_ADMIN_KEYS": '["a1"]',
+             "SKETCHSVD_ALLOWED_HOSTS": '["sketch.example.org"]'}
+    for name in given:
+        monkeypatch.setenv(name, interpolate(str(api["environment"][name]), given))
+    settings = Settings(index=fake_index[0])
+    assert (settings.api_keys, settings.admin_keys, settings.allowed_hosts) == (
+        ["k1"], ["a1"], ["sketch.example.org"])
+
+
 def test_train_service_runs_training_then_index_build(compose, tmp_path):
     train = compose["services"]["train"]
     (m1, cdk), (m2, build) = [parse(a, tmp_path) for a in programs(train["command"])]

@@ -1,6 +1,7 @@
 """API keys: off by default; when on, 401 in the one error shape on every route but /health
 and the page, keys from the environment or a file, signed photo URLs for <img>, and a
-comparison that takes the same time for any wrong key."""
+comparison that takes the same time for any wrong key. Admin keys of their own for /admin/*;
+an empty key refuses the start; photos kept out of shared caches when keys are on."""
 
 import statistics
 import time
@@ -9,7 +10,15 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from service.auth import UNAUTHORIZED, Keys, read_keys
+from service.auth import (
+    ADMIN_ONLY,
+    ADMIN_UNAUTHORIZED,
+    NO_ADMIN_KEY,
+    UNAUTHORIZED,
+    Keys,
+    key_id,
+    read_keys,
+)
 from service.client import Client, ServiceError
 from service.main import create_app
 from service.settings import Settings
@@ -58,7 +67,8 @@ def test_without_a_key_every_route_is_401_but_health_and_the_page(keyed):
                 assert r.status_code == 200, (method, path)
             else:
                 assert r.status_code == 401, (method, path, headers)
-                assert method == "HEAD" or r.json() == {"detail": UNAUTHORIZED}
+                detail = ADMIN_UNAUTHORIZED if path.startswith("/admin/") else UNAUTHORIZED
+                assert method == "HEAD" or r.json() == {"detail": detail}
     assert keyed.post("/no/such/route").status_code == 401  # no hint of what exists
 
 
@@ -151,3 +161,82 @@ def test_over_http_a_wrong_key_of_the_right_length_takes_as_long_as_another(keye
     ratio = medians["right length"] / medians["short"]
     print(f"401 medians: {medians}, ratio {ratio:.3f}")
     assert 0.8 < ratio < 1.25, medians
+
+
+ADMIN = "adm1n-0123456789abcdef0123456789abcdef"
+
+
+@pytest.mark.parametrize("keys", [[""], ["   "], [KEY, ""], ["\t\n"]])
+def test_an_empty_or_blank_key_refuses_to_start(settings, engine, keys):
+    """'["${API_KEY}"]' with the variable unset gives [""]: that service would be open."""
+    with pytest.raises(ValueError, match=r"api_keys \(SKETCHSVD_API_KEYS\) holds an empty key"):
+        create_app(settings.model_copy(update={"api_keys": keys}), loader=lambda s: engine)
+    with pytest.raises(ValueError, match=r"admin_keys \(SKETCHSVD_ADMIN_KEYS\) holds an empty"):
+        create_app(settings.model_copy(update={"admin_keys": keys}), loader=lambda s: engine)
+    with pytest.raises(ValueError, match="spaces around it"):
+        create_app(settings.model_copy(update={"api_keys": [f" {KEY}"]}),
+                   loader=lambda s: engine)
+
+
+def test_python_m_service_with_an_empty_key_exits_naming_the_setting(fake_index, monkeypatch,
+                                                                      capsys):
+    from service.__main__ import main
+
+    monkeypatch.setenv("SKETCHSVD_API_KEYS", '[""]')
+    assert main(["--index", str(fake_index[0])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: api_keys (SKETCHSVD_API_KEYS) holds an empty key"), err
+
+
+@pytest.fixture
+def admin_settings(keyed_settings):
+    return keyed_settings.model_copy(update={"admin_keys": [ADMIN]})
+
+
+def test_admin_routes_need_an_admin_key(admin_settings, engine):
+    with TestClient(create_app(admin_settings, loader=lambda s: engine)) as http:
+        def reload(key=None):
+            return http.post("/admin/reload", headers={"X-API-Key": key} if key else {})
+
+        assert reload(ADMIN).status_code == 200
+        for key in (KEY, "second-key"):  # API keys open everything else, not this
+            r = reload(key)
+            assert (r.status_code, r.json()) == (403, {"detail": ADMIN_ONLY})
+            assert http.get("/info", headers={"X-API-Key": key}).status_code == 200
+        for key in (None, "wrong"):
+            r = reload(key)
+            assert (r.status_code, r.json()) == (401, {"detail": ADMIN_UNAUTHORIZED})
+        for path in ("/info", "/metrics"):  # an admin key opens every route
+            assert http.get(path, headers={"X-API-Key": ADMIN}).status_code == 200
+        with Client(http=http, api_key=ADMIN) as service:
+            assert service.retrieve(sketch_png(), k=2).hits
+
+
+def test_with_api_keys_and_no_admin_key_admin_routes_are_closed(keyed):
+    r = keyed.post("/admin/reload", headers={"X-API-Key": KEY})
+    assert (r.status_code, r.json()) == (403, {"detail": NO_ADMIN_KEY})
+
+
+def test_admin_keys_alone_close_admin_routes_only(settings, engine):
+    only_admin = settings.model_copy(update={"admin_keys": [ADMIN]})
+    with TestClient(create_app(only_admin, loader=lambda s: engine)) as http:
+        assert http.get("/info").status_code == 200
+        assert http.post("/admin/reload").status_code == 401
+        assert http.post("/admin/reload", headers={"X-API-Key": ADMIN}).status_code == 200
+        hit = Client(http=http).retrieve(sketch_png(), k=1).hits[0]
+        assert hit.url == f"/photos/{hit.id}"  # no signing without API keys
+
+
+def test_an_admin_key_may_not_also_be_an_api_key(keyed_settings, engine):
+    shared = keyed_settings.model_copy(update={"admin_keys": [KEY]})
+    with pytest.raises(ValueError, match=f"also API keys \\(id {key_id(KEY)}\\)"):
+        create_app(shared, loader=lambda s: engine)
+
+
+def test_photos_are_kept_out_of_shared_caches_when_keys_are_on(keyed, client):
+    with Client(http=keyed, api_key=KEY) as service:
+        url = service.retrieve(sketch_png(), k=1).hits[0].url
+    assert keyed.get(url).headers["cache-control"] == "private, max-age=86400"
+    with Client(http=client) as service:  # keys off: any cache may keep them
+        url = service.retrieve(sketch_png(), k=1).hits[0].url
+    assert client.get(url).headers["cache-control"] == "public, max-age=86400"

@@ -259,7 +259,8 @@ def test_access_log_has_latency(client, caplog):
     with caplog.at_level(logging.INFO, logger="service.access"):
         post(client, sketch_png(), dims=2, k=3)
     lines = [r.getMessage() for r in caplog.records if r.name == "service.access"]
-    assert any(line.startswith("POST /retrieve?dims=2&k=3 200 ") and line.endswith("ms")
+    assert any(line.startswith("testclient key=- POST /retrieve?dims=2&k=3 200 ")
+               and line.endswith("ms")
                for line in lines), lines
 
 
