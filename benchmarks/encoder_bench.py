@@ -9,7 +9,7 @@ runtime, thread count and batch size, and each runtime's largest difference from
 embedding relative to the embedding's scale. `--parity-all` applies the service's parity rule
 to every runtime (OpenVINO bf16 too, on CPUs with it). This is how the service's CPU path was chosen
 (training/cdk/model/export.py): ONNX Runtime, in int8 where it holds parity
-(training/cdk/model/quantize.py) and is faster. Both int8 graphs are calibrated on the same
+(training/cdk/quantize.py) and is faster. Both int8 graphs are calibrated on the same
 images: training-class sketches of the checkpoint's data when it is at hand (`--data`
 overrides its folder), else random images (speed only). The ONNX Runtime int8 graph keeps
 its first `--float-front` convolutions in float32 (default: the service's first try).
@@ -35,16 +35,18 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tests.bundles import init_checkpoint  # noqa: E402
 from training.allocator import tune_allocator  # noqa: E402
-from training.cdk.model.checkpoint import init_checkpoint  # noqa: E402
+from training.cdk.make_bundle import embedder_of_checkpoint  # noqa: E402
 from training.cdk.model.embedder import Embedder  # noqa: E402
 from training.cdk.model.export import INPUT, OnnxEncoder, export_encoder  # noqa: E402
-from training.cdk.model.quantize import (  # noqa: E402
+from training.cdk.quantize import (  # noqa: E402
     FLOAT_FRONT,
     ParityCheck,
     QuantizationError,
     calibration_files,
     calibration_sets,
+    images_of,
     preprocessed,
     quantize_graph,
 )
@@ -60,13 +62,13 @@ def best_ms(fn, repeats: int) -> float:
     return 1000 * min(times)
 
 
-def calibration(embedder: Embedder, data: Path | None, n: int):
+def calibration(embedder: Embedder, cfg, data: Path | None, n: int):
     """(1, 3, S, S) batches: training-class sketches, else random images; and the
     validation classes (None without the data)."""
     try:
-        train, valid = calibration_sets(embedder.config, data)
+        train, valid = calibration_sets(data or cfg.data, cfg.split)
         files = calibration_files(train, "sketch", n)
-        return [b[i : i + 1] for b in preprocessed(embedder, files, "sketch")
+        return [b[i : i + 1] for b in preprocessed(embedder.preprocess, files, "sketch")
                 for i in range(len(b))], valid
     except QuantizationError as err:
         print(f"calibrating on random images (speed only, no parity): {err}")
@@ -104,10 +106,9 @@ def runtimes(embedder: Embedder, model: bytes, int8: bytes, threads: int,
              batches: list[np.ndarray]) -> dict:
     """name -> callable (N, 3, S, S) float32 array -> (N, width)."""
     torch.set_num_threads(threads)
-    sha = embedder.checkpoint_sha256
     out = {"torch": lambda x: embedder.encode(torch.from_numpy(x), "sketch").numpy(),
-           "onnxruntime": OnnxEncoder(model, sha, threads=threads),
-           "onnxruntime-int8": OnnxEncoder(int8, sha, threads=threads, precision="int8")}
+           "onnxruntime": OnnxEncoder(model, threads=threads),
+           "onnxruntime-int8": OnnxEncoder(int8, threads=threads, precision="int8")}
     return {**out, **openvino_runtimes(model, threads, batches)}
 
 
@@ -145,20 +146,24 @@ def main(argv: list[str] | None = None) -> int:
             ckpt = args.checkpoint or init_checkpoint(
                 REPO / "runs" / "bench" / "encoder-ckpt.pt", backbone="efficientnet-lite1",
                 modes=256, hidden=1024, image_size=240)
-        embedder = Embedder.from_checkpoint(ckpt, device="cpu")
+        embedder, cfg, _ = embedder_of_checkpoint(ckpt, device="cpu")
         t0 = time.perf_counter()
         model = export_encoder(embedder)
         t1 = time.perf_counter()
-        batches, valid = calibration(embedder, args.data, args.calibration)
+        batches, valid = calibration(embedder, cfg, args.data, args.calibration)
         int8 = _as_int8(quantize_graph(model, iter(batches), INPUT, args.float_front))
         print(f"{embedder.backbone} at {embedder.size_of('sketch')} px, width {embedder.width}; "
               f"export {t1 - t0:.1f} s, {len(model) / 1e6:.1f} MB; int8 "
               f"{time.perf_counter() - t1:.1f} s, {len(int8) / 1e6:.1f} MB")
-        if valid is not None:  # the rule the service applies (training.cdk.model.quantize)
-            sha = embedder.checkpoint_sha256
-            fp32 = OnnxEncoder(model, sha)
-            check = ParityCheck(embedder, valid, "sketch", fp32)  # float32's side, once
-            parity = check(OnnxEncoder(int8, sha, precision="int8"))
+        if valid is not None:  # the rule bundles are written by (training.cdk.quantize)
+            fp32 = OnnxEncoder(model)
+            ours = np.concatenate([fp32(b) for b in preprocessed(
+                embedder.preprocess, valid.sketches, "sketch")])
+            theirs = np.concatenate([embedder.embed(im, "photo")
+                                     for im in images_of(valid.photos)])
+            check = ParityCheck("sketch", valid.sketches, ours, theirs, valid.sketch_labels,
+                                valid.photo_labels, embedder.preprocess)  # float32's side
+            parity = check(OnnxEncoder(int8, precision="int8"))
             print(f"int8 parity: {parity}: {'holds' if parity.holds() else 'fails'}")
             if args.parity_all:
                 parity_of_all(embedder, valid, fp32, check, model, int8, batches)
@@ -172,7 +177,7 @@ def parity_of_all(embedder: Embedder, valid, fp32: OnnxEncoder, check: ParityChe
     every runtime, with the median relative error of its sketch embeddings; then float32
     with random noise of a known relative size, to show how much error the top-10 overlap
     tolerates."""
-    x = np.concatenate(list(preprocessed(embedder, valid.sketches[:64], "sketch")))
+    x = np.concatenate(list(preprocessed(embedder.preprocess, valid.sketches[:64], "sketch")))
     ref = fp32(x)
     rng = np.random.default_rng(0)
     noisy = {f"float32 + {r:.0%} noise": _noisy(fp32, r, rng) for r in (0.01, 0.03)}

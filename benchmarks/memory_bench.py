@@ -87,18 +87,16 @@ def measure(base: str, pid: int, png: bytes, batches: int, files: int) -> dict:
 
 
 def prepare_index(out: Path, image_size: int = 224) -> Path:
-    """A 15-photo index from an untrained checkpoint (once)."""
+    """A 15-photo index from an untrained model bundle (once)."""
     if (out / "index" / "CURRENT").is_file():
         return out / "index"
     from index.build import build_index
+    from tests.bundles import untrained_bundle
     from tests.fakes import make_gallery
-    from training.cdk.model.checkpoint import init_checkpoint
-    from training.cdk.model.embedder import Embedder
 
-    ckpt = init_checkpoint(out / "checkpoint.pt", modes=16, hidden=64, image_size=image_size)
+    model = untrained_bundle(out, modes=16, hidden=64, image_size=image_size)
     photos = make_gallery(out / "photos", classes=3, per_class=5, size=64)
-    build_index(Embedder.from_checkpoint(ckpt, device="cpu"), photos, out / "index", ckpt,
-                progress=False)
+    build_index(model, photos, out / "index", progress=False)
     return out / "index"
 
 

@@ -52,11 +52,11 @@ K = 10
 
 def fit_stats(index_dir: Path, data: Path, per_class: int, out: Path) -> None:
     """Class model of the stored photo vectors of `index_dir` and the sketch embeddings of
-    `per_class` sketches per class of `data`, embedded with the index's checkpoint."""
+    `per_class` sketches per class of `data`, embedded with the index's model bundle."""
     import torch
 
     from index.store import load_index
-    from training.cdk.model.embedder import Embedder
+    from training.cdk.model.bundle import Bundle
     from training.folders import scan_paired
     from training.images import load_image
 
@@ -65,9 +65,10 @@ def fit_stats(index_dir: Path, data: Path, per_class: int, out: Path) -> None:
     photos = ix.kind.reconstruct(ix.index, 0, len(ix)).astype(np.float64)  # (N, D)
     classes = sorted({p.cls for p in ix.photos})
     labels = np.array([classes.index(p.cls) for p in ix.photos])
-    embedder = Embedder.from_checkpoint(ix.sidecar.checkpoint, device="cpu")
-    if embedder.checkpoint_sha256 != ix.sidecar.checkpoint_sha256:
-        raise ValueError(f"{ix.sidecar.checkpoint} is not the checkpoint of {index_dir}")
+    model = Bundle.open(ix.sidecar.model)
+    if model.sha256 != ix.sidecar.model_sha256:
+        raise ValueError(f"{ix.sidecar.model} is not the model bundle of {index_dir}")
+    embedder = model.embedder("cpu")
     sketch_files, _ = scan_paired(data)  # {class: sketch files}
     files, s_labels = [], []
     for c, name in enumerate(classes):

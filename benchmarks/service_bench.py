@@ -15,10 +15,10 @@ then whether the targets hold (c=16: >= 250 req/s with p99 <= 150 ms; c=1: p50 <
 The split of one request into decode, preprocess, encode (backbone + head) and search comes
 from the server's `Server-Timing` header; the rest of the client-side latency is HTTP,
 multipart parsing and JSON. The load client runs on the same machine and takes its share of
-the CPU. int8 needs a checkpoint whose training data is at hand (calibration, parity): the
-first start quantizes (minutes), later starts read the graph cached in the index folder.
+the CPU. The int8 graph is the model bundle's (calibrated when the bundle was written; a
+bundle written without its training data has none).
 
-Without --index it builds one from an untrained checkpoint shaped like the `cpu` preset
+Without --index it builds one from an untrained model bundle shaped like the `cpu` preset
 (EfficientNet-Lite1 at 240 px, head 1024 -> 256 modes + 256 raw coordinates; timing does not
 depend on training) over the photos of --data DIR (a sketch/photo folder such as
 sketchy-mini; default $SKETCHY_DATA), whose sketches are then the queries (else generated
@@ -72,30 +72,28 @@ def copy_classes(data: Path, out: Path, classes: int) -> Path:
 
 def prepare_index(out: Path, data: Path, classes: int | None, flip_average: bool = True,
                   smoke: bool = False) -> Path:
-    """An index over sketchy-mini photos from a cpu-preset-shaped untrained checkpoint
-    (smoke: a tiny checkpoint over generated photos)."""
+    """An index over sketchy-mini photos from a cpu-preset-shaped untrained model bundle
+    (written with sketchy-mini as its data, so it holds int8 graphs; smoke: a tiny bundle
+    over generated photos)."""
     if (out / "index" / "CURRENT").is_file():
         return out / "index"
     import torch
 
     from index.build import build_index
-    from training.cdk.model.checkpoint import init_checkpoint
-    from training.cdk.model.embedder import Embedder
+    from tests.bundles import untrained_bundle
 
     torch.set_num_threads(2)
     if smoke:
         from tests.fakes import make_gallery
 
         photos = make_gallery(out / "photos", classes=3, per_class=4, size=64)
-        ckpt = init_checkpoint(out / "checkpoint.pt", modes=8, hidden=16, image_size=64,
-                               raw_dims=0)
+        model = untrained_bundle(out, modes=8, hidden=16, image_size=64, raw_dims=0)
     else:
         photos = (data / "photo" if classes is None
                   else copy_classes(data, out / "photos", classes))
-        ckpt = init_checkpoint(out / "checkpoint.pt", backbone="efficientnet-lite1", modes=256,
-                               hidden=1024, image_size=240, photo_flip_average=flip_average)
-    build_index(Embedder.from_checkpoint(ckpt, device="cpu"), photos, out / "index", ckpt,
-                progress=not smoke)
+        model = untrained_bundle(out, data=data, backbone="efficientnet-lite1", modes=256,
+                                 hidden=1024, image_size=240, photo_flip_average=flip_average)
+    build_index(model, photos, out / "index", progress=not smoke)
     return out / "index"
 
 
@@ -259,8 +257,8 @@ def report(results: dict, concurrency: list[int]) -> None:
 def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--index", type=Path, nargs="+", default=None,
-                   help="index folders (each with its checkpoint), measured in one run; "
-                        "default: one built from an untrained checkpoint")
+                   help="index folders (each with its model bundle), measured in one run; "
+                        "default: one built from an untrained model bundle")
     p.add_argument("--data", type=Path, default=DATA, metavar="DIR",
                    help="the sketch/photo folder: the query sketches (else generated strokes) "
                         "and, without --index, the photos indexed (default: $SKETCHY_DATA)")
@@ -278,7 +276,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--slots", type=int, default=2, help="server concurrent forwards")
     p.add_argument("--batch", type=int, default=8, help="sketches per /retrieve/batch request")
     p.add_argument("--flip-average", nargs="+", choices=("true", "false"), default=["true"],
-                   help="built index only: the checkpoint averages features over the mirror "
+                   help="built index only: the model averages features over the mirror "
                         "image or not; both: compared in one run")
     p.add_argument("--layouts", nargs="+", default=None, metavar="THREADSxSLOTS",
                    help="server layouts compared in one run, e.g. 1x2 2x1 (threads per "

@@ -8,13 +8,20 @@
 #  2. base image   deploy/local-base.sh (Debian 12 by debootstrap), unless BASE_IMAGE is set
 #  3. build        the cpu image; then the gpu image, build only (CHECK_GPU_BUILD=0 skips it)
 #  4. no index     `up -d api` on empty volumes: never healthy, exits 2, says why in its log
-#  5. train        `run --rm train` (training.cdk, cpu preset, then index.build)
-#  6. volumes      checkpoint and index in the runs volume, owned by uid 1000; photos read only
+#  5. train        `run --rm train` (training.cdk on the training data, cpu preset, writing
+#                  the model bundle; then index.build of the photo folder)
+#  6. volumes      bundle, checkpoint and index in the runs volume, owned by uid 1000; the
+#                  photos and the training data read only
 #  7. index        `run --rm index` rebuilds the index
-#  8. api          `up -d api`, healthy, POST /retrieve through the published port (answers
-#                  well formed; precision@5 of every class's first sketch >= 0.5), uid 1000
+#  8. api          `up -d api`, healthy, its only mounts the runs volume and the photos (no
+#                  training data), POST /retrieve through the published port (answers well
+#                  formed; precision@5 of the first sketch of each served class >= 0.5), uid 1000
 #  9. rebuild      `run --rm index` again and `restart api`: healthy, answers again
-# 10. down         `down -v`; the photo folder is as it was (names, sizes, times)
+# 10. down         `down -v`; the training data and the photos are as they were
+#
+# The photos served are not the training data's folder: PHOTO_CLASSES (40) classes of its
+# photos copied into one flat folder (no class folders; some names with spaces), which the
+# answers are judged against by a labels file.
 #
 # Settings (environment): SKETCHY_DATA (required: the photo/ and sketch/ folders),
 # BASE_IMAGE (an image to build from instead of the local Debian one), LOCAL_PYPI (a folder
@@ -63,8 +70,10 @@ preconditions() {
     [[ -f /etc/debian_version ]] || die "needs Debian (apt-get, debootstrap)"
     [[ -n "${SKETCHY_DATA:-}" && -d "$SKETCHY_DATA/photo" && -d "$SKETCHY_DATA/sketch" ]] \
         || die "SKETCHY_DATA=${SKETCHY_DATA:-} has no photo/ and sketch/ folders"
-    SKETCHY_DATA=$(realpath "$SKETCHY_DATA")
-    export SKETCHY_DATA
+    TRAIN_DATA=$(realpath "$SKETCHY_DATA")
+    PHOTOS=$(mktemp -d /var/tmp/sketchsvd-photos.XXXXXX)
+    LABELS=$PHOTOS.labels.json
+    export TRAIN_DATA PHOTOS
     if [[ -z "${LOCAL_PYPI+set}" && -f /opt/pypi-more/simple/torch/index.html ]]; then
         LOCAL_PYPI=/opt/pypi-more
     fi
@@ -76,9 +85,30 @@ preconditions() {
     export TRAIN_ARGS
 }
 
-# A fingerprint of the photo folder: every path, size and modification time.
+# A fingerprint of the data folders: every path, size and modification time.
 data_fingerprint() {
-    find "$SKETCHY_DATA" -printf '%P %s %T@\n' | sort | sha256sum | cut -d' ' -f1
+    find "$TRAIN_DATA" "$PHOTOS" -printf '%p %s %T@\n' | sort | sha256sum | cut -d' ' -f1
+}
+
+# The photo folder served: the photos of the first PHOTO_CLASSES classes of the training
+# data, flat, every other class's files named "<class> <file>" (a space in the name), and
+# LABELS, {file name: class}, for the probe. Readable by the image's user.
+flat_photos() {
+    python3 - "$TRAIN_DATA/photo" "$PHOTOS" "$LABELS" "${PHOTO_CLASSES:-40}" <<'PY'
+import json, shutil, sys
+from pathlib import Path
+src, dst, labels, n = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
+out = {}
+for i, cls in enumerate(sorted(d.name for d in src.iterdir() if d.is_dir())[:n]):
+    for f in sorted((src / cls).iterdir()):
+        name = f"{cls} {f.name}" if i % 2 else f.name
+        shutil.copyfile(f, dst / name)
+        out[name] = cls
+labels.write_text(json.dumps(out, indent=1))
+print(f"{len(out)} photos of {n} classes, flat, in {dst}")
+PY
+    chmod 755 "$PHOTOS"
+    chmod 644 "$PHOTOS"/*
 }
 
 # podman-compose leaves out a service of a profile that is not enabled, even when it is named
@@ -102,6 +132,7 @@ cleanup() {
         podman pod rm -f "pod_$PROJECT" >/dev/null 2>&1 || true
         podman network rm -f "${PROJECT}_default" >/dev/null 2>&1 || true
     fi
+    rm -rf "$PHOTOS" "$LABELS"
     if [[ "$KEEP_IMAGES" == 0 ]]; then
         podman rmi -f sketchsvd:cpu sketchsvd:gpu >/dev/null 2>&1 || true
     fi
@@ -150,8 +181,9 @@ wait_healthy() {  # wait_healthy CONTAINER: run the image's healthcheck until it
 
 probe() {  # probe SKETCH: POST it to the published port, check the answer
     python3 deploy/probe.py --url "http://$SKETCHSVD_ADDRESS:$SKETCHSVD_PORT" \
-        --photos "$SKETCHY_DATA/photo" --sketch "$1" --k "$K" \
-        --sketches "$SKETCHY_DATA/sketch" --min-precision "$MIN_PRECISION" | sed 's/^/   /'
+        --photos "$PHOTOS" --labels "$LABELS" --sketch "$1" --k "$K" \
+        --sketches "$TRAIN_DATA/sketch" --classes "${PHOTO_CLASSES:-40}" \
+        --min-precision "$MIN_PRECISION" | sed 's/^/   /'
 }
 
 runs_volume() { podman volume inspect "${PROJECT}_runs" --format '{{.Mountpoint}}'; }
@@ -186,6 +218,8 @@ check_volumes() {  # what train and index wrote, as whom; and the photos stay re
     local runs
     runs=$(runs_volume)
     [[ -s "$runs/cdk/checkpoint.pt" ]] || die "no checkpoint in the runs volume"
+    [[ -s "$runs/cdk/model/model.json" ]] || die "no model bundle in the runs volume"
+    echo "   model bundle: $(find "$runs/cdk/model" -mindepth 1 -printf '%f ')"
     [[ -n "$(find "$runs/index" -mindepth 1 -print -quit)" ]] || die "no index in the runs volume"
     local owners
     owners=$(find "$runs" -mindepth 1 -printf '%U\n' | sort -u | tr '\n' ' ')
@@ -193,7 +227,7 @@ check_volumes() {  # what train and index wrote, as whom; and the photos stay re
     echo "   runs volume: $(du -sh "$runs" | cut -f1), all files owned by uid 1000"
     echo "   cdk/: $(find "$runs/cdk" -mindepth 1 -maxdepth 1 -printf '%f ')"
     echo "   index/: $(find "$runs/index" -mindepth 1 -maxdepth 1 -printf '%f ')"
-    if compose run -T --rm index sh -c 'touch /data/sketchy-mini/photo/.written' \
+    if compose run -T --rm index sh -c 'touch /photos/.written' \
             >"$CHECK_LOGS/touch.log" 2>&1; then
         die "the photo mount is writable"
     fi
@@ -202,11 +236,17 @@ check_volumes() {  # what train and index wrote, as whom; and the photos stay re
     echo "   photo mount: $(grep -m 1 -o "Read-only file system" "$CHECK_LOGS/touch.log")"
 }
 
-check_api() {  # healthy, answers through the published port, runs as uid 1000
-    local ctr
+check_api() {  # healthy, no training data, answers through the published port, uid 1000
+    local ctr mounts
     ctr=$(container_of api)
     wait_healthy "$ctr"
     echo "   $ctr healthy; published $(podman port "$ctr" | tr '\n' ' ')"
+    mounts=$(podman inspect "$ctr" --format '{{range .Mounts}}{{.Destination}}:{{.RW}} {{end}}')
+    [[ "$(tr ' ' '\n' <<<"$mounts" | sed '/^$/d' | sort | tr '\n' ' ')" == "/photos:false /runs:false " ]] \
+        || die "api mounts $mounts; expected the runs volume and the photos, read only"
+    ! podman inspect "$ctr" --format '{{range .Mounts}}{{.Source}} {{end}}' \
+        | grep -qF "$TRAIN_DATA" || die "api has the training data mounted"
+    echo "   mounts: $mounts(no training data)"
     probe "$SKETCH"
     # real, effective, saved and filesystem uid of each process, read from /proc on the host
     local pid uids=""
@@ -222,9 +262,10 @@ check_api() {  # healthy, answers through the published port, runs as uid 1000
 
 main() {
     preconditions
+    trap cleanup EXIT
+    flat_photos | sed 's/^/   /'
     local fingerprint total_start=$SECONDS
     fingerprint=$(data_fingerprint)
-    trap cleanup EXIT
     trap 'exit 130' INT TERM  # cleanup runs on the way out
     echo "== engine"
     PODMAN_COMPOSE=$(deploy/engine.sh 2>"$CHECK_LOGS/engine.log" | tail -n 1) \
@@ -245,7 +286,7 @@ main() {
         build train-gpu sketchsvd:gpu
     fi
 
-    SKETCH=$(find "$SKETCHY_DATA/sketch" -name '*.png' | sort | awk 'NR == 1')
+    SKETCH=$(find "$TRAIN_DATA/sketch" -name '*.png' | sort | awk 'NR == 1')
     step "api without an index"
     check_no_index
 
@@ -276,8 +317,8 @@ main() {
     [[ -z "$(podman ps -aq --filter "label=io.podman.compose.project=$PROJECT")" ]] \
         || die "containers left after down"
     ! podman volume exists "${PROJECT}_runs" || die "the runs volume is left after down -v"
-    [[ "$(data_fingerprint)" == "$fingerprint" ]] || die "the photo folder changed"
-    echo "   no containers or volumes left; $SKETCHY_DATA unchanged"
+    [[ "$(data_fingerprint)" == "$fingerprint" ]] || die "the data folders changed"
+    echo "   no containers or volumes left; $TRAIN_DATA and $PHOTOS unchanged"
     step "passed in $((SECONDS - total_start)) s"
 }
 

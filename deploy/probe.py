@@ -3,9 +3,12 @@ the photo folder the index was built from.
 
     python3 deploy/probe.py --url http://127.0.0.1:18000 --photos DATA/photo \
         --sketch DATA/sketch/bat/n02139199_1332-1.png --k 5
+    python3 deploy/probe.py ... --photos FLAT --labels FLAT.json   # a folder without classes
 
 The answer passes when the status is 200, it holds exactly k results sorted by score, and
-each result's id is a photo of the folder (`<class>/<id>.<ext>`) with that photo's class.
+each result's path is a photo of the folder with that photo's class: its folder in a
+`<class>/<file>` gallery, none (null) in a flat one, whose true classes `--labels` gives
+(a JSON object {file name: class}) for the precision below.
 With `--sketches DIR` it also asks for the first sketch of each class of DIR
 (`<class>/<file>`, sorted; `--classes N`: the first N classes) and requires the share of
 their top-k photos in the sketch's own class, averaged, to reach `--min-precision`: a
@@ -30,15 +33,23 @@ from pathlib import Path
 PHOTO_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp"}
 
 
-def gallery_of(photos: Path) -> dict[str, str]:
-    """{photo id: class} of a folder of <class>/<id>.<ext> photos."""
-    out = {}
-    for f in sorted(photos.glob("*/*")):
-        if f.suffix.lower() in PHOTO_SUFFIXES:
-            out[f.stem] = f.parent.name
+def gallery_of(photos: Path, labels: Path | None = None
+               ) -> tuple[dict[str, str | None], dict[str, str]]:
+    """({photo path in the folder: the class the service must answer}, {path: true class})
+    of a folder of <class>/<file> photos, or with `labels` of a flat folder (no class
+    answered; the true classes from the labels file)."""
+    if labels is not None:
+        truth = json.loads(labels.read_text(encoding="utf-8"))
+        files = {f.name for f in photos.iterdir() if f.suffix.lower() in PHOTO_SUFFIXES}
+        if set(truth) != files:
+            raise ValueError(f"{str(labels)!r} does not label exactly the photos of "
+                             f"{str(photos)!r}")
+        return dict.fromkeys(truth), truth
+    out = {f"{f.parent.name}/{f.name}": f.parent.name for f in sorted(photos.glob("*/*"))
+           if f.suffix.lower() in PHOTO_SUFFIXES}
     if not out:
-        raise ValueError(f"no photos in {str(photos)!r} (expected <class>/<id>.jpg)")
-    return out
+        raise ValueError(f"no photos in {str(photos)!r} (expected <class>/<file>.jpg)")
+    return out, out
 
 
 def multipart(field: str, path: Path) -> tuple[bytes, str]:
@@ -67,7 +78,8 @@ def retrieve(url: str, sketch: Path, k: int, timeout: float = 60) -> tuple[int, 
         return status, raw.decode(errors="replace")
 
 
-def problems(status: int, answer: object, k: int, gallery: dict[str, str]) -> list[str]:
+def problems(status: int, answer: object, k: int, gallery: dict[str, str | None]
+             ) -> list[str]:
     """What is wrong with a /retrieve answer (empty: nothing)."""
     if status != 200:
         return [f"status {status}: {answer!r}"]
@@ -81,11 +93,11 @@ def problems(status: int, answer: object, k: int, gallery: dict[str, str]) -> li
     if scores != sorted(scores, reverse=True):
         found.append(f"results not sorted by score: {scores}")
     for r in results:
-        pid, cls = r.get("id"), r.get("class")
-        if pid not in gallery:
-            found.append(f"id {pid!r} is not a photo of the gallery")
-        elif gallery[pid] != cls:
-            found.append(f"id {pid!r} has class {cls!r}, its folder is {gallery[pid]!r}")
+        path, cls = r.get("path"), r.get("class")
+        if path not in gallery:
+            found.append(f"path {path!r} (id {r.get('id')!r}) is not a photo of the gallery")
+        elif gallery[path] != cls:
+            found.append(f"{path!r} has class {cls!r}, expected {gallery[path]!r}")
     if len({r.get("id") for r in results}) != len(results):
         found.append(f"repeated ids in {[r.get('id') for r in results]}")
     return found
@@ -103,8 +115,8 @@ def first_sketches(sketches: Path, classes: int = 0) -> list[Path]:
     return out
 
 
-def class_precision(url: str, sketches: list[Path], k: int, gallery: dict[str, str]
-                    ) -> tuple[float, float, list[str]]:
+def class_precision(url: str, sketches: list[Path], k: int, gallery: dict[str, str | None],
+                    truth: dict[str, str]) -> tuple[float, float, list[str]]:
     """(mean share of each sketch's top-k photos in its folder's class, the same share for
     photos drawn at random, problems with the answers)."""
     shares, found = [], []
@@ -115,16 +127,19 @@ def class_precision(url: str, sketches: list[Path], k: int, gallery: dict[str, s
             found += [f"{sketch.name}: {w}" for w in wrong]
             continue
         cls = sketch.parent.name
-        shares.append(sum(r["class"] == cls for r in answer["results"]) / k)
-    sizes = collections.Counter(gallery.values())  # photos a class
-    chance = sum(sizes[s.parent.name] for s in sketches) / len(sketches) / len(gallery)
+        shares.append(sum(truth[r["path"]] == cls for r in answer["results"]) / k)
+    sizes = collections.Counter(truth.values())  # photos a class
+    chance = sum(sizes[s.parent.name] for s in sketches) / len(sketches) / len(truth)
     return (sum(shares) / len(shares) if shares else 0.0), chance, found
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", required=True, help="the service, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--photos", type=Path, required=True, help="<class>/<id>.jpg folder")
+    parser.add_argument("--photos", type=Path, required=True,
+                        help="<class>/<file> folder, or a flat one with --labels")
+    parser.add_argument("--labels", type=Path, help="JSON {file name: class} of a flat "
+                        "--photos folder")
     parser.add_argument("--sketch", type=Path, required=True, help="a PNG/JPEG sketch")
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--sketches", type=Path, help="<class>/<file> sketch folder: check "
@@ -134,18 +149,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-precision", type=float, default=0.5,
                         help="the least mean share of the top-k photos in the sketch's class")
     args = parser.parse_args(argv)
-    gallery = gallery_of(args.photos)
+    gallery, truth = gallery_of(args.photos, args.labels)
     status, answer = retrieve(args.url, args.sketch, args.k)
     found = problems(status, answer, args.k, gallery)
     if found:
         print(f"retrieve {args.sketch.name}: " + "; ".join(found))
         return 1
-    top = ", ".join(f"{r['id']} ({r['class']}, {r['score']:.3f})" for r in answer["results"])
+    top = ", ".join(f"{r['path']} ({truth[r['path']]}, {r['score']:.3f})"
+                    for r in answer["results"])
     print(f"retrieve {args.sketch.name} ({args.sketch.parent.name}): 200, k={args.k}: {top}")
     if args.sketches is None:
         return 0
     sketches = first_sketches(args.sketches, args.classes)
-    share, chance, found = class_precision(args.url, sketches, args.k, gallery)
+    share, chance, found = class_precision(args.url, sketches, args.k, gallery, truth)
     line = (f"precision@{args.k} over the first sketch of {len(sketches)} classes: {share:.3f} "
             f"(at least {args.min_precision}; photos drawn at random: {chance:.3f})")
     if found or share < args.min_precision:

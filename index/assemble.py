@@ -24,7 +24,14 @@ from index.gallery import Photo
 from index.kinds import Kind, resolve
 from index.neighbours import Store, memory_store, smooth_blocks
 from index.search import exact_topk_blocks
-from index.store import INDEX_FILE, IndexWriter, Sidecar, current_version, new_sidecar
+from index.store import (
+    INDEX_FILE,
+    IndexWriter,
+    Sidecar,
+    current_version,
+    new_sidecar,
+    read_sidecar,
+)
 from index.table import PhotoTable
 from training.cdk.model.smoothing import Smoothing
 
@@ -51,6 +58,8 @@ class BuildReport:
     index_bytes: int = 0  # size of index.faiss: what a server maps
     embed_seconds: float = 0.0  # of `seconds`, embedding the photos
     encoder: str = ""  # the photo encoder and its precision, e.g. "onnxruntime int8"
+    skipped: dict | None = None  # gallery entries left out by the scan (index.gallery.Scan)
+    failed: list | None = None  # (path, reason) of photos that did not decode
 
 
 @dataclass(frozen=True)
@@ -61,11 +70,11 @@ class Assembled:
     index_bytes: int  # size of index.faiss: what a server maps
 
 
-def check_dims(embedder, dims: int | None) -> int:
+def check_dims(model, dims: int | None) -> int:
     """The stored dims: `dims`, default the embeddings' whole width."""
-    dims = embedder.width if dims is None else dims
-    if not 1 <= dims <= embedder.width:
-        raise ValueError(f"--dims {dims} is outside [1, width {embedder.width}] of the checkpoint")
+    dims = model.width if dims is None else dims
+    if not 1 <= dims <= model.width:
+        raise ValueError(f"--dims {dims} is outside [1, width {model.width}] of the model")
     return dims
 
 
@@ -92,7 +101,7 @@ def blocks_recall(kind: Kind, index: faiss.Index, blocks: list[Block], k: int,
     return out
 
 
-def assemble(writer: IndexWriter, embedder, checkpoint: str | Path, root: Path,
+def assemble(writer: IndexWriter, model, root: Path,
              tables: Iterable[PhotoTable | Iterable[Photo]], blocks: list[Block], dims: int,
              kind: str = "auto", budget: int | None = None, nprobe: int = 0,
              smoothing: Smoothing = NO_SMOOTHING, recall_k: int = 10,
@@ -109,7 +118,7 @@ def assemble(writer: IndexWriter, embedder, checkpoint: str | Path, root: Path,
     recall = {} if chosen.exact else blocks_recall(chosen, index, smoothed, recall_k,
                                                    report_dims(dims))
     sidecar = new_sidecar(
-        embedder, checkpoint, dims, count, chosen.name, root, params=params,
+        model, dims, count, chosen.name, root, params=params,
         recall={"k": recall_k, "queries": "gallery vectors",
                 "by_dims": {str(d): r for d, r in recall.items()}} if recall else {},
         smoothing=smoothing.as_dict() if smoothing.active else {},
@@ -117,4 +126,4 @@ def assemble(writer: IndexWriter, embedder, checkpoint: str | Path, root: Path,
     out = writer.commit(index, sidecar, *tables)
     del index
     size = (current_version(out) / INDEX_FILE).stat().st_size
-    return Assembled(out, sidecar, recall, size)
+    return Assembled(out, read_sidecar(out), recall, size)  # with the files it lists

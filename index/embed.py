@@ -1,28 +1,26 @@
 """Photos -> embeddings for the index: training's cached backbone features where they
-exist, else the photo encoder, with photos decoded in worker processes.
+exist, else the model bundle's photo encoder, with photos decoded in worker processes.
 
-The photo encoder is the checkpoint's photo side exported as one ONNX graph and run by ONNX
-Runtime (`training.cdk.model.export`, the runtime the service runs sketches on), on the
-CPU; on CUDA, or for an embedder that cannot be exported, the PyTorch modules. ONNX Runtime
-gives each image the same bits whatever batch it is in, so every build path (local, shards,
-Ray actors) stores the same vectors for the same photos: they all embed a gallery slice by
-slice with `embed_slice`, and the slices are the shards.
+The photo encoder is the bundle's photo graph run by ONNX Runtime on the CPU (in the
+precision the bundle chose when it was written, or the one asked for), or on CUDA the
+bundle's PyTorch modules. ONNX Runtime gives each image the same bits whatever batch it is
+in, so every build path (local, shards, Ray actors) stores the same vectors for the same
+photos: they all embed a gallery slice by slice with `embed_slice`, and the slices are the
+shards.
 
-Photos whose frozen-backbone features training cached (`training.cdk.features`, the
-checkpoint's `cache_dir`) skip the backbone and only go through the photo head
+Photos whose frozen-backbone features training cached (`training.cdk.features`, the cache
+the bundle names) skip the backbone and only go through the photo head
 (`cached_features`), which agrees with the encoder within float rounding (tests).
 
-The ONNX graph runs in float32 or int8 (`precision`): int8 under the service's parity rule,
-measured here on the photo side (`training.cdk.model.export.load_or_export`). The graph is
-made on first use, so a gallery whose photos all come from the feature cache never waits
-for an export or a quantization.
+A photo that fails to decode is left out and listed (`Embedded.failed`): one damaged file
+does not stop the build of a gallery.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,57 +30,82 @@ from tqdm import tqdm
 
 from index.gallery import Photo
 from training.cdk.features import find_cached
-from training.cdk.model.embedder import Embedder
-from training.images import load_image
+from training.images import ImageError, load_image
 
-__all__ = ["ENCODERS", "PRECISIONS", "PhotoEncoder", "feature_cache_dir", "cached_features",
-           "photo_encoder", "resolved_precision", "embed_photos", "embed_slice"]
+__all__ = ["ENCODERS", "PRECISIONS", "Embedded", "PhotoEncoder", "feature_cache_dir",
+           "cached_features", "photo_encoder", "embed_photos", "embed_slice"]
 
 log = logging.getLogger(__name__)
 
 ENCODERS = ("auto", "onnx", "torch")
-PRECISIONS = ("auto", "fp32", "int8")  # of the ONNX graph (export.PRECISIONS)
+PRECISIONS = ("auto", "fp32", "int8")  # auto: the bundle's choice
 HEAD_CHUNK = 4096  # cached feature rows through the head at a time
 # (N, 3, H, W) float32 preprocessed images -> (N, width) float32 embeddings
 PhotoEncoder = Callable[[np.ndarray], np.ndarray]
-_ONNX: dict[tuple, PhotoEncoder] = {}  # ONNX encoders made by this process, by checkpoint
 
 
-def feature_cache_dir(flag: str | None, embedder: Embedder) -> str | None:
+@dataclass(frozen=True)
+class Embedded:
+    """A gallery slice embedded: the vectors (n, width) of `photos` (those that decoded, in
+    order), how many came from the feature cache, and the photos left out with the reason."""
+
+    photos: list[Photo]
+    vectors: np.ndarray
+    from_cache: int
+    failed: list[tuple[Photo, str]]
+
+
+@dataclass(frozen=True)
+class FeatureKey:
+    """What training.cdk.features keys a backbone's cached features by."""
+
+    name: str
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    flip_average: bool
+    pooling: str
+    feature_dim: int
+
+
+def feature_cache_dir(flag: str | None, model) -> str | None:
     """The feature cache the commands read: `flag` (a folder, or "none" for no reuse), by
-    default (None) the checkpoint's `cache_dir`, where its training cached its features."""
-    folder = (embedder.config.get("cache_dir") or "none") if flag is None else flag
-    return None if folder == "none" else folder
+    default (None) the one the model's training wrote (the bundle records it), if it is
+    still there."""
+    if flag is not None:
+        return None if flag == "none" else flag
+    folder = (getattr(model, "training", None) or {}).get("feature_cache") or ""
+    return folder if folder and Path(folder).is_dir() else None
 
 
-def cached_features(
-    embedder: Embedder, root: Path, photos: list[Photo], cache_dir: str | Path | None
-) -> tuple[list[int], torch.Tensor]:
-    """Backbone features of those `photos` that training cached in `cache_dir` for this
-    embedder's photo backbone (same weights, input size and normalisation; entries whose
-    files changed are never used: `training.cdk.features.find_cached`): (positions (K,),
-    features (K, D)). Nothing when `cache_dir` is None, nor for a fine-tuned checkpoint,
-    whose photos always go through its own backbone."""
+def cached_features(model, root: Path, photos: list[Photo], cache_dir: str | Path | None
+                    ) -> tuple[list[int], torch.Tensor]:
+    """Backbone features of those `photos` that training cached in `cache_dir` for the
+    model's photo backbone (same weights, input size and normalisation; entries whose files
+    changed are never used: `training.cdk.features.find_cached`): (positions (K,),
+    features (K, D)). Nothing when `cache_dir` is None, nor for a fine-tuned model, whose
+    photos always go through its own backbone."""
+    inf = model.inference
     if cache_dir is None or not photos:
         return [], torch.zeros(0, 0)
-    if embedder.finetuned:
+    if inf.finetuned:
         log.info("fine-tuned backbone: every photo goes through it, none from %s", cache_dir)
         return [], torch.zeros(0, 0)
-    bb = embedder.backbone_of("photo")
-    positions, feats = find_cached([root / p.path for p in photos], bb, bb.module,
-                                   embedder.size_of("photo"), cache_dir)
+    key = FeatureKey(inf.backbone, tuple(inf.mean), tuple(inf.std), inf.flip_average["photo"],
+                     inf.pooling, inf.feature_dim)
+    positions, feats = find_cached([root / p.path for p in photos], key,
+                                   inf.fingerprints["photo"], inf.size_of("photo"), cache_dir)
     log.info("feature cache %s holds the backbone features of %d of %d photos", cache_dir,
              len(positions), len(photos))
     return positions, feats
 
 
 class TorchPhotos:
-    """The photo side in PyTorch (CUDA, or embedders that are not exported)."""
+    """The photo side in PyTorch (CUDA), from the bundle's weights."""
 
     name = "torch"
     precision = "fp32"
 
-    def __init__(self, embedder: Embedder):
+    def __init__(self, embedder):
         self.embedder = embedder
 
     def __call__(self, images: np.ndarray) -> np.ndarray:
@@ -90,77 +113,28 @@ class TorchPhotos:
         return np.asarray(out.detach().float().cpu(), dtype=np.float32)
 
 
-class OnnxPhotos:
-    """The photo side as an ONNX Runtime graph, made on the first call (or `resolve()`):
-    exported once per checkpoint into `folder`/encoders and, for int8, quantized and its
-    parity measured there (`load_or_export`). `precision`: the graph's (fp32 or int8) once
-    made, None before; `make_seconds`: the time making it took (export, quantization and
-    parity, the first time per checkpoint and index folder), not embedding."""
-
-    name = "onnxruntime"
-
-    def __init__(self, embedder: Embedder, folder: str | Path, threads: int, precision: str):
-        self.embedder, self.folder, self.threads = embedder, folder, threads
-        self.requested = precision
-        self._graph = None
-        self.make_seconds = 0.0
-
-    def resolve(self):
-        if self._graph is None:
-            t0 = time.perf_counter()
-            e = self.embedder
-            key = (e.checkpoint_sha256, e.photo_flip_average, e.sketch_flip_average,
-                   self.threads, self.requested)
-            if key not in _ONNX:
-                from training.cdk.model.export import load_or_export  # onnx only when used
-
-                _ONNX[key] = load_or_export(e, self.folder, threads=self.threads,
-                                            modality="photo", precision=self.requested)
-            self._graph = _ONNX[key]
-            self.make_seconds = time.perf_counter() - t0
-        return self._graph
-
-    @property
-    def precision(self) -> str | None:
-        return None if self._graph is None else self._graph.precision
-
-    def __call__(self, images: np.ndarray) -> np.ndarray:
-        return self.resolve()(images)
-
-
-def _uses_onnx(embedder: Embedder, choice: str, precision: str = "auto") -> bool:
+def photo_encoder(model, threads: int = 2, choice: str = "auto", precision: str = "auto",
+                  device: str | None = None) -> PhotoEncoder:
+    """The photo encoder of `model` (a Bundle): "onnx" (its photo graph on the CPU, in
+    `precision`: auto is the bundle's choice), "torch" (its PyTorch modules on `device`),
+    or "auto": ONNX Runtime on the CPU, PyTorch on CUDA."""
     if choice not in ENCODERS:
         raise ValueError(f"unknown photo encoder {choice!r}; choose one of {', '.join(ENCODERS)}")
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of "
                          f"{', '.join(PRECISIONS)}")
-    exportable = hasattr(embedder, "modules") and torch.device(embedder.device).type == "cpu"
-    onnx = choice == "onnx" or (choice == "auto" and exportable)
-    if precision == "int8" and not onnx:
-        raise ValueError("--precision int8 needs the ONNX Runtime photo encoder (--encoder "
-                         "onnx, or auto on a CPU); the PyTorch encoder runs in float32")
-    return onnx
-
-
-def photo_encoder(embedder: Embedder, folder: str | Path, threads: int = 2,
-                  choice: str = "auto", precision: str = "auto") -> PhotoEncoder:
-    """The photo encoder of `embedder`: "onnx" (`OnnxPhotos`, made on first use), "torch",
-    or "auto": ONNX Runtime on the CPU, PyTorch on CUDA and for embedders that cannot be
-    exported. `precision` (ONNX only): fp32, int8 (an error when its parity fails), auto
-    (int8 where it holds parity and is faster here, the service's rule)."""
-    if not _uses_onnx(embedder, choice, precision):
-        return TorchPhotos(embedder)
-    return OnnxPhotos(embedder, folder, threads, precision)
-
-
-def resolved_precision(encoder: PhotoEncoder) -> str:
-    """The precision `encoder` runs in (fp32 or int8), making an `OnnxPhotos` graph now."""
-    return encoder.resolve().precision if isinstance(encoder, OnnxPhotos) else "fp32"
+    on_cuda = torch.device(device).type == "cuda" if device else torch.cuda.is_available()
+    if choice == "torch" or (choice == "auto" and on_cuda):
+        if precision == "int8":
+            raise ValueError("--precision int8 needs the ONNX Runtime photo encoder (--encoder "
+                             "onnx, or auto on a CPU); the PyTorch encoder runs in float32")
+        return TorchPhotos(model.embedder(device))
+    return model.encoder("photo", precision, threads)
 
 
 class PhotoFiles(torch.utils.data.Dataset):
-    """Photo files decoded (`load_image`: errors name the file) and preprocessed by
-    `transform` (`Embedder.transform()`), one (3, H, W) tensor per file, in order."""
+    """Photo files decoded (`load_image`) and preprocessed by `transform`: item i is
+    (i, (3, H, W) tensor) or (i, the reason it failed to decode)."""
 
     def __init__(self, paths: list[Path], transform):
         self.paths, self.transform = paths, transform
@@ -168,12 +142,22 @@ class PhotoFiles(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.transform([load_image(self.paths[i])])[0]  # (3, H, W)
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor | str]:
+        try:
+            return i, self.transform([load_image(self.paths[i])])[0]  # (3, H, W)
+        except ImageError as err:
+            return i, str(err)
+
+
+def _collate(items: list[tuple[int, torch.Tensor | str]]):
+    good = [(i, x) for i, x in items if isinstance(x, torch.Tensor)]
+    bad = [(i, x) for i, x in items if not isinstance(x, torch.Tensor)]
+    batch = torch.stack([x for _, x in good]) if good else None
+    return [i for i, _ in good], batch, bad
 
 
 def embed_photos(
-    embedder: Embedder,
+    model,
     root: Path,
     photos: list[Photo],
     encoder: PhotoEncoder | None = None,
@@ -181,49 +165,58 @@ def embed_photos(
     progress: bool = True,
     cached: tuple[list[int], torch.Tensor] | None = None,
     workers: int = 0,
-) -> np.ndarray:
-    """Embed photos with the checkpoint's photo side: (N, width) float32 in their order.
+) -> Embedded:
+    """Embed photos with the model's photo side: the vectors of those that decode, in order.
 
     `cached`: (positions, features (K, D)) from `cached_features`; those photos only go
     through the photo head. The others are decoded by `workers` DataLoader processes
-    (0: this one) and go through `encoder` (default: PyTorch) in batches of `batch_size`.
+    (0: this one) and go through `encoder` (default: the model's photo graph, in the
+    bundle's precision) in batches of `batch_size`.
     """
-    encoder = encoder or TorchPhotos(embedder)
+    encoder = encoder or photo_encoder(model, threads=1)
     positions, feats = cached or ([], None)
-    out = np.empty((len(photos), embedder.width), dtype=np.float32)
-    for start in range(0, len(positions), HEAD_CHUNK):
-        rows = positions[start : start + HEAD_CHUNK]
-        emb = embedder.head(feats[start : start + HEAD_CHUNK], "photo")  # (k, width)
-        out[rows] = _checked(np.asarray(emb.detach().cpu(), np.float32), len(rows),
-                             embedder.width)
-    done = set(positions)
-    rest = [i for i in range(len(photos)) if i not in done]
+    width = model.width
+    out = np.empty((len(photos), width), dtype=np.float32)
+    ok = np.zeros(len(photos), dtype=bool)
+    if positions:
+        heads = model.embedder("cpu")
+        for start in range(0, len(positions), HEAD_CHUNK):
+            rows = positions[start : start + HEAD_CHUNK]
+            emb = heads.head(feats[start : start + HEAD_CHUNK], "photo")  # (k, width)
+            out[rows] = _checked(np.asarray(emb.detach().cpu(), np.float32), len(rows), width)
+            ok[rows] = True
+    rest = [i for i in range(len(photos)) if not ok[i]]
     loader = DataLoader(PhotoFiles([root / photos[i].path for i in rest],
-                                   embedder.transform("photo")),
-                        batch_size=batch_size, num_workers=workers if rest else 0)
+                                   model.transform("photo")),
+                        batch_size=batch_size, num_workers=workers if rest else 0,
+                        collate_fn=_collate)
     bar = tqdm(total=len(rest), desc="embedding photos", unit="img", disable=not progress)
-    start = 0
-    for batch in loader:  # (B, 3, H, W), in order
-        rows = rest[start : start + len(batch)]
-        out[rows] = _checked(encoder(batch.numpy()), len(rows), embedder.width)
-        start += len(rows)
-        bar.update(len(rows))
+    failed = []
+    for idx, batch, bad in loader:  # in order
+        if batch is not None:
+            rows = [rest[i] for i in idx]
+            out[rows] = _checked(encoder(batch.numpy()), len(rows), width)
+            ok[rows] = True
+        for i, reason in bad:
+            failed.append((photos[rest[i]], reason))
+            log.warning("leaving out %s: %s", photos[rest[i]].path, reason)
+        bar.update(len(idx) + len(bad))
     bar.close()
     log.info("embedded %d photos from %s: %d from cached backbone features, %d through the "
-             "%s encoder (%s)", len(photos), root, len(positions), len(rest),
-             getattr(encoder, "name", "photo"), getattr(encoder, "precision", None) or "unused")
-    return out
+             "%s encoder (%s), %d failed to decode", int(ok.sum()), root, len(positions),
+             len(rest) - len(failed), getattr(encoder, "name", "photo"),
+             getattr(encoder, "precision", None) or "unused", len(failed))
+    keep = np.flatnonzero(ok)
+    return Embedded([photos[i] for i in keep], out[keep] if len(failed) else out,
+                    len(positions), failed)
 
 
-def embed_slice(embedder: Embedder, encoder: PhotoEncoder, root: Path, photos: list[Photo],
+def embed_slice(model, encoder: PhotoEncoder, root: Path, photos: list[Photo],
                 cache_dir: str | Path | None, batch_size: int = 32, workers: int = 0,
-                progress: bool = False) -> tuple[np.ndarray, int]:
-    """One gallery slice (a shard) embedded as every build path does it: (vectors
-    (n, width), how many came from the feature cache)."""
-    cached = cached_features(embedder, root, photos, cache_dir)
-    vectors = embed_photos(embedder, root, photos, encoder, batch_size, progress, cached,
-                           workers)
-    return vectors, len(cached[0])
+                progress: bool = False) -> Embedded:
+    """One gallery slice (a shard) embedded as every build path does it."""
+    cached = cached_features(model, root, photos, cache_dir)
+    return embed_photos(model, root, photos, encoder, batch_size, progress, cached, workers)
 
 
 def _checked(emb: np.ndarray, n: int, width: int) -> np.ndarray:

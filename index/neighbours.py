@@ -30,12 +30,11 @@ import torch
 from index.blocks import Block, array_blocks, concat, gather_rows, npy_bytes, total
 from index.kinds import DoesNotFit, get
 from index.kinds.floats import AUTO_FLAT_MAX
-from training.cdk.config import from_dict, smoothing
 from training.cdk.model.smoothing import Smoothing
 from training.files import atomic_write_bytes
 
 __all__ = ["EXACT_MAX", "NeighbourIndex", "faiss_neighbours", "smooth_blocks", "smooth_added",
-           "checkpoint_smoothing", "memory_store", "folder_store"]
+           "model_smoothing", "memory_store", "folder_store"]
 
 log = logging.getLogger(__name__)
 
@@ -183,11 +182,10 @@ def smooth_added(stored: np.ndarray, new: np.ndarray, cfg: Smoothing) -> np.ndar
     return concat(smooth_blocks(blocks, cfg, fixed=n)[1 if n else 0:])
 
 
-def checkpoint_smoothing(config: dict, k: int | None = None, weight: float | None = None,
-                         rounds: int | None = None) -> Smoothing:
-    """The smoothing a checkpoint's config (an Embedder's `config`) asks for, with the
-    given values overriding its own (None keeps the checkpoint's)."""
-    own = smoothing(from_dict(config))
+def model_smoothing(model, k: int | None = None, weight: float | None = None,
+                    rounds: int | None = None) -> Smoothing:
+    """The smoothing the model bundle asks for (its inference block), with the given values
+    overriding its own (None keeps the model's)."""
+    own = model.inference.gallery_smoothing()
     return Smoothing(own.k if k is None else k, own.weight if weight is None else weight,
                      own.rounds if rounds is None else rounds)
-

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from index.assemble import BuildReport, assemble, check_dims
-from index.embed import photo_encoder, resolved_precision
+from index.embed import photo_encoder
 from index.gallery import scan_gallery
 from index.kinds import parse_bytes
-from index.neighbours import checkpoint_smoothing, folder_store
+from index.neighbours import folder_store, model_smoothing
 from index.shards import (
     DEFAULT_SHARD_SIZE,
     embed_local,
@@ -31,9 +31,9 @@ from index.shards import (
     plan_blocks,
     plan_shards,
     remove_stale,
+    shard_failures,
 )
 from index.store import SHARDS_DIR, IndexWriter, check_replaceable
-from training.cdk.model.embedder import Embedder
 from training.cdk.model.smoothing import Smoothing
 
 log = logging.getLogger(__name__)
@@ -42,10 +42,9 @@ ENGINES = ("local", "ray")
 
 
 def build_sharded(
-    embedder: Embedder,
+    model,
     photos: str | Path,
     out: str | Path,
-    checkpoint: str | Path,
     dims: int | None = None,
     kind: str = "auto",
     batch_size: int = 32,
@@ -64,48 +63,52 @@ def build_sharded(
     address: str | None = None,
     ray_actors: int = 0,
     device: str | None = None,
-    load: Callable[[], Embedder] | None = None,
+    load: Callable | None = None,
 ) -> BuildReport:
     """Embed `photos` into shards under OUT/shards (engine "local" or "ray"), build the
     index from them and commit it to `out`; the other arguments as `index.build.build_index`
     (which comes here for large galleries).
-    Ray: `threads` CPUs for a local Ray, `load` builds the embedder in each actor (default:
-    the checkpoint file on `device`). ValueError for a budget no kind fits."""
+    Ray: `threads` CPUs for a local Ray, `load` opens the model in each actor (default:
+    the bundle's folder, on `device`). ValueError for a budget no kind fits."""
     start = time.perf_counter()
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    dims = check_dims(embedder, dims)
+    dims = check_dims(model, dims)
     budget = parse_bytes(max_index_memory) if max_index_memory else None
     if smoothing is None:
-        smoothing = checkpoint_smoothing(embedder.config)
+        smoothing = model_smoothing(model)
     out = Path(out).absolute()
     check_replaceable(out)
-    root, gallery = scan_gallery(photos)
+    scan = scan_gallery(photos)
+    log.info("gallery %s: %s", scan.root, scan.summary())
     with IndexWriter(out) as writer:
-        # The precision is part of the shards' keys, so it is settled before planning them
-        # (auto: here, once, for the Ray actors too).
-        enc = photo_encoder(embedder, out, threads, encoder, precision)
-        precision = resolved_precision(enc)  # before t0: making it is not embedding
-        plan = plan_shards(out / SHARDS_DIR, root, gallery, embedder.width,
-                           embedder.checkpoint_sha256, shard_size, precision)
+        # The precision is part of the shards' keys (auto: the bundle's choice, for the Ray
+        # actors too).
+        enc = photo_encoder(model, threads, encoder, precision, device)
+        plan = plan_shards(out / SHARDS_DIR, scan.root, scan.photos, model.width,
+                           model.sha256, shard_size, enc.precision)
         todo = missing_shards(plan)
         t0 = time.perf_counter()
         log.info("%d of %d shards to embed (%s engine)", len(todo), len(plan.shards), engine)
         if engine == "ray":
-            from index.ray_engine import CheckpointLoader, embed_ray
+            from index.ray_engine import ModelLoader, embed_ray
 
             embedded, cached = embed_ray(
-                plan, todo, load or CheckpointLoader(checkpoint, device), out,
+                plan, todo, load or ModelLoader(model.path), out,
                 batch_size, feature_cache, encoder, address, ray_actors, threads, progress,
-                precision)
+                enc.precision, device)
         else:
-            embedded, cached = embed_local(embedder, enc, plan, todo, batch_size,
+            embedded, cached = embed_local(model, enc, plan, todo, batch_size,
                                            feature_cache, workers, progress)
         embed_s = time.perf_counter() - t0
-        built = assemble(writer, embedder, checkpoint, root, [s.photos for s in plan.shards],
-                         plan_blocks(plan), dims, kind, budget, nprobe, smoothing, recall_k,
-                         store=folder_store(plan.folder), work=plan.folder, progress=progress)
+        blocks, tables = plan_blocks(plan)
+        if not sum(len(t) for t in tables):
+            raise ValueError(f"none of the {plan.count} photos of {str(photos)!r} decoded")
+        built = assemble(writer, model, scan.root, tables, blocks, dims, kind, budget, nprobe,
+                         smoothing, recall_k, store=folder_store(plan.folder), work=plan.folder,
+                         progress=progress)
+        failed = shard_failures(plan)
         remove_stale(plan)  # work files and shards of other keys
     return BuildReport(out, built.sidecar, built.recall, time.perf_counter() - start, cached,
                        embedded, len(plan.shards), built.index_bytes, embed_s,
-                       f"{enc.name} {precision}")
+                       f"{enc.name} {enc.precision}", scan.skipped, failed)

@@ -2,12 +2,14 @@
 
     OUT/shards/shard-000012-<key>.npy    float32 (n, width), the embeddings of photos start..start+n
     OUT/shards/shard-000012-<key>.json   the rows of those photos ({"id", "class", "path"}), the
-                                         shard's place and the byte size of its .npy
+                                         photos that failed to decode, the shard's place and
+                                         the byte size of its .npy
 
 The gallery (sorted by class and file) is cut into consecutive shards of `shard_size` photos.
-A shard's key hashes what its vectors depend on: the checkpoint's sha256, the embeddings'
-width, the photo encoder's precision when it is int8, its place, and each of its photos' id,
-class, path, byte size and modification time.
+A shard's key hashes what its vectors depend on: the model bundle's sha256, the embeddings'
+width, the photo encoder's precision, its place, and each of its photos' id, class, path,
+byte size and modification time. A photo of the shard that fails to decode is listed in its
+.json and has no row: the index's rows are the shards' rows one after the other.
 Shards hold the whole embeddings (gallery smoothing finds neighbours with all coordinates);
 the index stores their first `dims`. A shard is
 finished when its .json exists and its .npy has the recorded size; both are written atomically
@@ -25,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -34,15 +35,14 @@ import numpy as np
 from tqdm import tqdm
 
 from index.blocks import Block, npy_bytes
-from index.embed import PhotoEncoder, embed_slice
+from index.embed import Embedded, PhotoEncoder, embed_slice
 from index.gallery import Photo
-from training.cdk.model.embedder import Embedder
 from training.cli import UserError
 from training.files import atomic_write_bytes, atomic_write_text
 
 log = logging.getLogger(__name__)
 
-SHARD_FORMAT = 2
+SHARD_FORMAT = 3
 DEFAULT_SHARD_SIZE = 10_000  # photos: 20 MB of vectors 512 wide
 
 
@@ -66,12 +66,12 @@ class Shard:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """The shards of one gallery for one checkpoint, in a folder."""
+    """The shards of one gallery for one model, in a folder."""
 
     folder: Path
     root: Path  # photo paths are relative to it
     width: int  # the embeddings' width
-    checkpoint_sha256: str
+    model_sha256: str
     shards: tuple[Shard, ...]
 
     @property
@@ -85,11 +85,10 @@ class ShardPlan:
         return self.folder / f"{shard.stem}.json"
 
 
-def _shard_key(checkpoint_sha256: str, width: int, number: int, start: int, root: Path,
+def _shard_key(model_sha256: str, width: int, number: int, start: int, root: Path,
                photos: list[Photo], precision: str = "fp32") -> str:
-    tag = "" if precision == "fp32" else f"|{precision}"  # float32 keys as they always were
     digest = hashlib.sha256(
-        f"{SHARD_FORMAT}|{checkpoint_sha256}{tag}|{width}|{number}|{start}".encode())
+        f"{SHARD_FORMAT}|{model_sha256}|{precision}|{width}|{number}|{start}".encode())
     for p in photos:
         st = os.stat(root / p.path)
         digest.update(f"|{p.id}|{p.cls}|{p.path}|{st.st_size}|{st.st_mtime_ns}".encode())
@@ -97,7 +96,7 @@ def _shard_key(checkpoint_sha256: str, width: int, number: int, start: int, root
 
 
 def plan_shards(folder: str | Path, root: Path, photos: list[Photo], width: int,
-                checkpoint_sha256: str, shard_size: int = DEFAULT_SHARD_SIZE,
+                model_sha256: str, shard_size: int = DEFAULT_SHARD_SIZE,
                 precision: str = "fp32") -> ShardPlan:
     """Cut `photos` (the order of `index.gallery.scan_gallery`) into shards of `shard_size`;
     `precision`: the photo encoder's (fp32 or int8), so shards of the other one are not
@@ -107,22 +106,31 @@ def plan_shards(folder: str | Path, root: Path, photos: list[Photo], width: int,
     shards = []
     for number, start in enumerate(range(0, len(photos), shard_size)):
         chunk = photos[start : start + shard_size]
-        key = _shard_key(checkpoint_sha256, width, number, start, root, chunk, precision)
+        key = _shard_key(model_sha256, width, number, start, root, chunk, precision)
         shards.append(Shard(number, start, key, tuple(chunk)))
-    return ShardPlan(Path(folder), root, width, checkpoint_sha256, tuple(shards))
+    return ShardPlan(Path(folder), root, width, model_sha256, tuple(shards))
 
 
-def write_shard(plan: ShardPlan, shard: Shard, vectors: np.ndarray) -> None:
-    """Write one shard's vectors (n, width), then its .json; each file atomically."""
-    if vectors.shape != (len(shard.photos), plan.width):
-        raise ValueError(f"shard {shard.number}: vectors {vectors.shape}, expected "
-                         f"{(len(shard.photos), plan.width)}")
+def _rows(photos) -> list[dict]:
+    return [{"id": p.id, "class": p.cls, "path": p.path} for p in photos]
+
+
+def write_shard(plan: ShardPlan, shard: Shard, embedded: Embedded) -> None:
+    """Write one shard's vectors (n, width) of the photos that decoded, then its .json (with
+    the ones that did not); each file atomically."""
+    vectors = embedded.vectors
+    left_out = {p.id for p, _ in embedded.failed}
+    if (vectors.shape != (len(embedded.photos), plan.width)
+            or list(embedded.photos) != [p for p in shard.photos if p.id not in left_out]):
+        raise ValueError(f"shard {shard.number}: vectors {vectors.shape} of "
+                         f"{len(embedded.photos)} photos do not fit its {len(shard.photos)} "
+                         f"photos ({len(left_out)} failed)")
     data = npy_bytes(vectors.astype(np.float32, copy=False))
     atomic_write_bytes(data, plan.npy(shard))
     meta = {"format": SHARD_FORMAT, "number": shard.number, "start": shard.start,
-            "key": shard.key, "width": plan.width, "checkpoint_sha256": plan.checkpoint_sha256,
-            "npy_bytes": len(data),
-            "photos": [{"id": p.id, "class": p.cls, "path": p.path} for p in shard.photos]}
+            "key": shard.key, "width": plan.width, "model_sha256": plan.model_sha256,
+            "npy_bytes": len(data), "photos": _rows(embedded.photos),
+            "failed": [{**_rows([p])[0], "reason": why} for p, why in embedded.failed]}
     atomic_write_text(json.dumps(meta) + "\n", plan.meta(shard))
 
 
@@ -139,43 +147,59 @@ def missing_shards(plan: ShardPlan) -> list[Shard]:
     return [s for s in plan.shards if not is_finished(plan, s)]
 
 
-def read_shard(plan: ShardPlan, shard: Shard) -> np.ndarray:
-    """The vectors (n, width) of a finished shard, memory-mapped read only; ShardError when
-    its files disagree with the plan."""
+def _meta(plan: ShardPlan, shard: Shard) -> dict:
+    """A finished shard's .json, checked against the plan: ShardError when it disagrees."""
     path = plan.meta(shard)
     meta = json.loads(path.read_text(encoding="utf-8"))
     rows = [Photo(id=r["id"], cls=r["class"], path=r["path"]) for r in meta["photos"]]
-    if (meta.get("format"), meta.get("width"), meta["checkpoint_sha256"], meta["start"]) != (
-            SHARD_FORMAT, plan.width, plan.checkpoint_sha256, shard.start) or (
-            tuple(rows) != shard.photos):
+    failed = {r["id"] for r in meta.get("failed", [])}
+    if (meta.get("format"), meta.get("width"), meta.get("model_sha256"), meta["start"]) != (
+            SHARD_FORMAT, plan.width, plan.model_sha256, shard.start) or (
+            rows != [p for p in shard.photos if p.id not in failed]):
         raise ShardError(f"{str(path)!r} does not describe shard {shard.number} of this gallery "
                          f"(key {shard.key}); delete it and rerun")
+    return {**meta, "rows": rows}
+
+
+def shard_photos(plan: ShardPlan, shard: Shard) -> list[Photo]:
+    """The photos of a finished shard that have a row (those that decoded)."""
+    return _meta(plan, shard)["rows"]
+
+
+def shard_failures(plan: ShardPlan) -> list[tuple[str, str]]:
+    """(path, reason) of every photo of the plan's finished shards that did not decode."""
+    return [(r["path"], r["reason"]) for s in plan.shards
+            for r in json.loads(plan.meta(s).read_text(encoding="utf-8")).get("failed", [])]
+
+
+def read_shard(plan: ShardPlan, shard: Shard) -> np.ndarray:
+    """The vectors (n, width) of a finished shard, memory-mapped read only; ShardError when
+    its files disagree with the plan."""
+    n = len(_meta(plan, shard)["rows"])
     vectors = np.load(plan.npy(shard), mmap_mode="r")
-    if vectors.shape != (len(shard.photos), plan.width) or vectors.dtype != np.float32:
+    if vectors.shape != (n, plan.width) or vectors.dtype != np.float32:
         raise ShardError(f"{str(plan.npy(shard))!r} holds {vectors.dtype} {vectors.shape}, "
-                         f"expected float32 {(len(shard.photos), plan.width)}; delete it and "
-                         "rerun")
+                         f"expected float32 {(n, plan.width)}; delete it and rerun")
     return vectors
 
 
-def iter_shards(plan: ShardPlan) -> Iterator[tuple[Shard, np.ndarray]]:
-    """(shard, memory-mapped vectors (n, width)) in gallery order; every shard must be done."""
-    for shard in plan.shards:
-        yield shard, read_shard(plan, shard)
-
-
-def plan_blocks(plan: ShardPlan) -> list[Block]:
-    """The finished shards of a plan as blocks, each read (memory-mapped) when loaded."""
-    return [Block(s.stem, s.start, len(s.photos), partial(read_shard, plan, s))
-            for s in plan.shards]
+def plan_blocks(plan: ShardPlan) -> tuple[list[Block], list[list[Photo]]]:
+    """The finished shards of a plan as blocks, each read (memory-mapped) when loaded, and
+    their photos: row r of the index is the r-th row of the shards one after the other."""
+    blocks, tables, start = [], [], 0
+    for s in plan.shards:
+        rows = shard_photos(plan, s)
+        blocks.append(Block(s.stem, start, len(rows), partial(read_shard, plan, s)))
+        tables.append(rows)
+        start += len(rows)
+    return blocks, tables
 
 
 def load_vectors(plan: ShardPlan) -> np.ndarray:
     """All vectors (N, width) in one array (tests; the build reads blocks)."""
-    out = np.empty((plan.count, plan.width), dtype=np.float32)
-    for shard, vectors in iter_shards(plan):
-        out[shard.start : shard.start + len(vectors)] = vectors
-    return out
+    blocks, _ = plan_blocks(plan)
+    return np.concatenate([np.asarray(b.load()) for b in blocks]) if blocks else \
+        np.zeros((0, plan.width), np.float32)
 
 
 def remove_stale(plan: ShardPlan) -> int:
@@ -190,7 +214,7 @@ def remove_stale(plan: ShardPlan) -> int:
     return removed
 
 
-def embed_local(embedder: Embedder, encoder: PhotoEncoder, plan: ShardPlan, shards: list[Shard],
+def embed_local(model, encoder: PhotoEncoder, plan: ShardPlan, shards: list[Shard],
                 batch_size: int = 32, cache_dir: str | Path | None = None, workers: int = 0,
                 progress: bool = True) -> tuple[int, int]:
     """Embed `shards` in this process, writing each as it is done; returns (photos embedded,
@@ -200,10 +224,10 @@ def embed_local(embedder: Embedder, encoder: PhotoEncoder, plan: ShardPlan, shar
                disable=not progress)
     cached = 0
     for shard in shards:
-        vectors, hits = embed_slice(embedder, encoder, plan.root, list(shard.photos), cache_dir,
-                                    batch_size, workers)
-        write_shard(plan, shard, vectors)
-        cached += hits
+        part = embed_slice(model, encoder, plan.root, list(shard.photos), cache_dir,
+                           batch_size, workers)
+        write_shard(plan, shard, part)
+        cached += part.from_cache
         bar.update(len(shard.photos))
     bar.close()
     return sum(len(s.photos) for s in shards), cached

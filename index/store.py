@@ -4,7 +4,6 @@
     OUT/v-<UTC time>-<hex>/  index.faiss, the index.json sidecar and the photo table
                              (photos.json and its columns, `index.table`)
     OUT/.lock                held (flock) by the one process writing OUT
-    OUT/encoders/            the query encoder exported per checkpoint (training.cdk.model.export)
     OUT/shards/              embedding shards of sharded builds (index.shards), reused on reruns
 
 A writer stages a version in OUT/.tmp-<hex>/, fsyncs its files and the folder, renames it to
@@ -19,8 +18,12 @@ directly in OUT, a `meta.jsonl` photo table, a sidecar of another format or with
 fields of this one) are refused with an error naming the folder and the fix, a rebuild,
 which may write over them.
 
-Loading checks that the index, the sidecar and the table agree, so a half-written or
-hand-edited index is refused, and that the checkpoint is the one the index was built from.
+Each version's sidecar lists the sha256 and size of every other file of the version, and
+loading checks them before FAISS or the table reader opens a file, so a file changed or
+planted after the build is refused; a version folder or file that is a link is refused too.
+Loading then checks that the index, the sidecar and the table agree, so a half-written or
+hand-edited index is refused, and that the model bundle is the one the index was built with
+(its sha256).
 Every photo path is relative and stays below the photo root, checked row by row as rows are
 read (`index.table`). The index's kind (`index.kinds`) answers its searches.
 """
@@ -28,6 +31,7 @@ read (`index.table`). The index's kind (`index.kinds`) answers its searches.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -35,7 +39,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -55,14 +59,13 @@ from training.files import fsync_dir
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 INDEX_FILE = "index.faiss"
 SIDECAR_FILE = "index.json"
 META_FILE = "meta.jsonl"  # the photo table of earlier code: refused
 METRIC = "inner_product"
 POINTER_FILE = "CURRENT"
 LOCK_FILE = ".lock"
-ENCODERS_DIR = "encoders"  # training.cdk.model.export.encoder_path puts exported encoders here
 SHARDS_DIR = "shards"  # index.shards keeps the embedding shards of sharded builds here
 VERSION_NAME = re.compile(r"^v-\d{8}T\d{6}Z-[0-9a-f]{12}$")
 STAGE_NAME = re.compile(r"^\.tmp-[0-9a-f]{32}$")
@@ -80,8 +83,8 @@ class Sidecar:
     """What an index file is: enough to check it and to serve it without flags."""
 
     format: int
-    checkpoint_sha256: str
-    checkpoint: str  # path of the checkpoint at build time (a hint; the hash is the identity)
+    model_sha256: str  # the model bundle's identity (training.cdk.model.bundle)
+    model: str  # the bundle's folder at build time (where the service finds it by default)
     backbone: str
     width: int  # the embeddings' width: the learned modes, then the raw coordinates
     modes: int  # the learned modes: coordinates 1..modes (d-prefixes up to it use them alone)
@@ -94,6 +97,7 @@ class Sidecar:
     params: dict  # the kind's parameters (cells, probes, code sizes); {} for flat
     recall: dict  # recall@k against exact search measured at build ({}: an exact kind)
     smoothing: dict  # the gallery smoothing of the stored vectors ({k, weight, rounds}; {}: none)
+    files: dict  # {file name: {"sha256", "bytes"}} of every other file of the version
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -121,21 +125,22 @@ class Sidecar:
 
 
 def rebuild_command(folder: str | Path) -> str:
-    return f"python -m index.build --checkpoint CKPT --photos DIR --out {folder}"
+    return f"python -m index.build --model MODEL --photos DIR --out {folder}"
 
 
-def new_sidecar(embedder, checkpoint: str | Path, dims: int, count: int, kind: str,
-                photos_root: Path, params: dict | None = None,
-                recall: dict | None = None, smoothing: dict | None = None) -> Sidecar:
-    """The sidecar of a freshly built index: the checkpoint's identity (`embedder`, a
-    training.cdk Embedder, and its file), the stored dims and count, the kind, now."""
+def new_sidecar(model, dims: int, count: int, kind: str, photos_root: Path,
+                params: dict | None = None, recall: dict | None = None,
+                smoothing: dict | None = None) -> Sidecar:
+    """The sidecar of a freshly built index: the model bundle's identity (`model`, a
+    training.cdk.model.bundle.Bundle), the stored dims and count, the kind, now. Its file
+    list is filled in when the version is written (IndexWriter.commit)."""
     return Sidecar(
         format=FORMAT_VERSION,
-        checkpoint_sha256=embedder.checkpoint_sha256,
-        checkpoint=str(Path(checkpoint).absolute()),
-        backbone=embedder.backbone,
-        width=int(embedder.width),
-        modes=int(embedder.modes),
+        model_sha256=model.sha256,
+        model=str(Path(model.path).absolute()) if model.path else "",
+        backbone=model.backbone,
+        width=int(model.width),
+        modes=int(model.modes),
         dims=dims,
         metric=METRIC,
         count=count,
@@ -145,6 +150,7 @@ def new_sidecar(embedder, checkpoint: str | Path, dims: int, count: int, kind: s
         params=params or {},
         recall=recall or {},
         smoothing=smoothing or {},
+        files={},
     )
 
 
@@ -208,7 +214,7 @@ class GalleryIndex:
 
 
 def _is_ours(name: str) -> bool:
-    return (name in (*FLAT_FILES, POINTER_FILE, LOCK_FILE, ENCODERS_DIR, SHARDS_DIR)
+    return (name in (*FLAT_FILES, POINTER_FILE, LOCK_FILE, SHARDS_DIR)
             or bool(VERSION_NAME.match(name)) or bool(STAGE_NAME.match(name))
             or bool(POINTER_TEMP_NAME.match(name)))
 
@@ -235,6 +241,42 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _digests(version: Path) -> dict[str, dict]:
+    """{name: {"sha256", "bytes"}} of the files of a staged version (the sidecar aside)."""
+    return {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
+            for p in sorted(version.iterdir()) if p.name != SIDECAR_FILE}
+
+
+def check_files(folder: Path, version: Path, sidecar: Sidecar) -> None:
+    """Every file of `version` is the one its sidecar lists (size, then sha256), is no link,
+    and none is missing or extra: IndexCorruptError names the first that is not."""
+    fix = f"rebuild it: {rebuild_command(folder)}"
+    if version.is_symlink():
+        raise IndexCorruptError(f"index version {str(version)!r} is a link; {fix}")
+    present = {p.name for p in version.iterdir() if p.name != SIDECAR_FILE}
+    listed = set(sidecar.files)
+    if present != listed:
+        raise IndexCorruptError(
+            f"index version {str(version)!r} holds files its sidecar does not list "
+            f"{sorted(present - listed)[:5]} or lacks listed ones {sorted(listed - present)[:5]}"
+            f"; {fix}")
+    for name, entry in sorted(sidecar.files.items()):
+        path = version / name
+        if path.is_symlink() or not path.is_file():
+            raise IndexCorruptError(f"{str(path)!r} is a link or not a regular file; {fix}")
+        if path.stat().st_size != entry["bytes"] or _sha256(path) != entry["sha256"]:
+            raise IndexCorruptError(f"{str(path)!r} is not the file the sidecar lists "
+                                    f"(changed since the index was built); {fix}")
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -280,6 +322,10 @@ def current_version(folder: str | Path) -> Path:
             f"interrupted first build leaves none); rebuild it: {rebuild_command(folder)}"
         )
     version = folder / name
+    if version.is_symlink():
+        raise IndexCorruptError(f"{str(folder / POINTER_FILE)!r} names {name!r}, which is a link; "
+                                f"an index version is a folder the index writer made: "
+                                f"{rebuild_command(folder)}")
     if not version.is_dir():
         raise IndexCorruptError(f"{str(folder / POINTER_FILE)!r} names {name!r}, which is "
                                 f"missing; rebuild it: {rebuild_command(folder)}")
@@ -365,6 +411,7 @@ class IndexWriter:
             if rows != sidecar.count:
                 raise ValueError(f"the photo table has {rows} rows; the sidecar says "
                                  f"{sidecar.count}")
+            sidecar = replace(sidecar, files=_digests(stage))
             _write_text(stage / SIDECAR_FILE, sidecar.to_json())
             fsync_dir(stage)
             os.rename(stage, out / name)
@@ -404,6 +451,8 @@ def read_sidecar(folder: str | Path) -> Sidecar:
 
 def _read_sidecar_at(folder: Path, version: Path) -> Sidecar:
     path = version / SIDECAR_FILE
+    if path.is_symlink():
+        raise IndexCorruptError(f"{str(path)!r} is a link; rebuild it: {rebuild_command(folder)}")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -414,10 +463,10 @@ def _read_sidecar_at(folder: Path, version: Path) -> Sidecar:
 
 
 def load_index(
-    folder: str | Path, checkpoint_sha256: str | None = None, mmap: bool = True
+    folder: str | Path, model_sha256: str | None = None, mmap: bool = True
 ) -> GalleryIndex:
-    """Open the current index of a folder, check it is complete and (if given) built from
-    that checkpoint.
+    """Open the current index of a folder, check its files against its sidecar, that it is
+    complete and (if given) built with that model bundle.
 
     `mmap=True` maps the vectors read only (serving); `False` loads a writable copy (append).
     Lock-free: a writer may swap versions meanwhile; a version removed while it was being
@@ -427,27 +476,26 @@ def load_index(
     version = current_version(folder)
     for _ in range(2):
         try:
-            return _load_version(folder, version, checkpoint_sha256, mmap)
-        except IndexCorruptError:
+            return _load_version(folder, version, model_sha256, mmap)
+        except (IndexCorruptError, FileNotFoundError):
             newer = current_version(folder)
             if newer == version:
                 raise
             version = newer  # a writer removed the version being read: follow the new pointer
-    return _load_version(folder, version, checkpoint_sha256, mmap)
+    return _load_version(folder, version, model_sha256, mmap)
 
 
-def _load_version(folder: Path, version: Path, checkpoint_sha256: str | None, mmap: bool
+def _load_version(folder: Path, version: Path, model_sha256: str | None, mmap: bool
                   ) -> GalleryIndex:
     sidecar = _read_sidecar_at(folder, version)
-    if checkpoint_sha256 is not None and checkpoint_sha256 != sidecar.checkpoint_sha256:
+    if model_sha256 is not None and model_sha256 != sidecar.model_sha256:
         raise IndexMismatchError(
-            f"index {str(folder)!r} was built from checkpoint sha256 "
-            f"{sidecar.checkpoint_sha256[:16]}... ({sidecar.checkpoint}), but the checkpoint "
-            f"given has sha256 {checkpoint_sha256[:16]}...; rebuild the index with "
-            f"python -m index.build --checkpoint CKPT --photos DIR --out {folder}"
+            f"index {str(folder)!r} was built with the model bundle of sha256 "
+            f"{sidecar.model_sha256[:16]}... ({sidecar.model}), but the model given has sha256 "
+            f"{model_sha256[:16]}...; rebuild the index with python -m index.build --model "
+            f"MODEL --photos DIR --out {folder}"
         )
-    if not (version / INDEX_FILE).is_file():
-        raise IndexCorruptError(f"index {str(version)!r} is missing {INDEX_FILE}")
+    check_files(folder, version, sidecar)
     flags = SERVE_IO_FLAGS if mmap else 0
     try:
         index = faiss.read_index(str(version / INDEX_FILE), flags)

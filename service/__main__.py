@@ -19,17 +19,16 @@ from service.settings import Settings
 from training import cli
 from training.allocator import tune_allocator
 
-DEFAULT_DATA = "../shared/data/sketchy-mini"
-DEFAULT_CHECKPOINT = "runs/cdk/checkpoint.pt"
+DEFAULT_MODEL = "runs/cdk/model"
 
 
 def build_hint(settings: Settings) -> str:
-    """The exact commands that create the missing index."""
-    ckpt = settings.checkpoint or DEFAULT_CHECKPOINT
-    lines = [f"python -m index.build --checkpoint {ckpt} --photos {DEFAULT_DATA} "
-             f"--out {settings.index}"]
-    if settings.checkpoint is None:
-        lines.insert(0, f"python -m training.cdk --data {DEFAULT_DATA} --preset cpu --out runs/cdk")
+    """The exact commands that create the missing index (DATA: the training data, PHOTOS:
+    the photos to serve, which may be DATA)."""
+    model = settings.model or DEFAULT_MODEL
+    lines = [f"python -m index.build --model {model} --photos PHOTOS --out {settings.index}"]
+    if settings.model is None:
+        lines.insert(0, "python -m training.cdk --data DATA --split none --out runs/cdk")
     return " && ".join(lines)
 
 
@@ -51,7 +50,8 @@ def _main(argv: list[str]) -> int:
     try:
         read_sidecar(settings.index)
     except IndexStoreError as err:
-        print(f"error: {err}; build the index first: {build_hint(settings)}", file=sys.stderr)
+        print(f"error: {err}; build the index first: {build_hint(settings)} (or run "
+              "./quickstart DATA)", file=sys.stderr)
         return 2
     app = create_app(settings)  # refuses bad keys before anything says it serves
     print(f"serving on http://{settings.host}:{settings.port}/ (open it in a browser to draw)",

@@ -1,5 +1,6 @@
-"""Which encoder embeds query sketches: the checkpoint's PyTorch modules, or its exported
-graph run by ONNX Runtime on the CPU (training.cdk.model.export)."""
+"""Which encoder embeds query sketches: the model bundle's ONNX graph run by ONNX Runtime on
+the CPU (the default), or its PyTorch modules (CUDA). Nothing is exported, calibrated or
+timed here: the bundle holds the graphs and says which precision to serve."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import numpy as np
 import torch
 
 from service.settings import Settings
-from training.cdk.model.export import EncoderMismatchError, load_or_export
-from training.cdk.model.quantize import QuantizationError
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +26,7 @@ class Encoder(Protocol):
 
 
 class TorchEncoder:
-    """The sketch side of `embedder` in PyTorch, on its device."""
+    """The sketch side of `embedder` (a bundle's PyTorch modules) on its device."""
 
     name = "torch"
     precision = "fp32"
@@ -40,30 +39,26 @@ class TorchEncoder:
             return self.embedder.encode(batch, "sketch").float().cpu().numpy()
 
 
-def pick_encoder(settings: Settings, embedder) -> Encoder:
-    """The sketch encoder the settings ask for. auto: ONNX Runtime when the model runs on
-    the CPU (exported once per checkpoint and cached under the index folder; in int8 where
-    `settings.precision` allows, see training.cdk.model.export.load_or_export), else
-    PyTorch; PyTorch also when the export or ONNX Runtime is unavailable (with a warning).
-    An exported file of another checkpoint is always an error (EncoderMismatchError), and
-    so is an int8 encoder asked for that cannot be served."""
-    on_cpu = embedder.device.type == "cpu"
+def on_cuda(settings: Settings) -> bool:
+    """Whether the settings put the model on a CUDA device (None: CUDA when present)."""
+    if settings.device is None:
+        return torch.cuda.is_available()
+    return torch.device(settings.device).type == "cuda"
+
+
+def pick_encoder(settings: Settings, model) -> Encoder:
+    """The sketch encoder the settings ask for, from `model` (a Bundle). auto: the bundle's
+    ONNX graph on the CPU (in `settings.precision`: auto is the bundle's choice), its
+    PyTorch modules on CUDA. An int8 encoder asked for that the bundle cannot serve is an
+    error naming why (training.cdk.model.bundle.BundleError)."""
+    cuda = on_cuda(settings)
     if settings.precision == "int8" and settings.encoder == "torch":
         raise ValueError("precision int8 is the ONNX encoder's; set encoder auto or onnx, or "
                          "precision auto or fp32")
-    if settings.encoder == "torch" or (settings.encoder == "auto" and not on_cpu):
-        return TorchEncoder(embedder)
-    if not on_cpu:
-        raise ValueError(f"encoder=onnx runs on the CPU, but the model is on {embedder.device};"
+    if settings.encoder == "torch" or (settings.encoder == "auto" and cuda):
+        return TorchEncoder(model.embedder(settings.device, settings.mirror_queries))
+    if cuda:
+        raise ValueError(f"encoder=onnx runs on the CPU, but the device is {settings.device};"
                          " set --device cpu, or encoder auto or torch")
-    try:
-        return load_or_export(embedder, settings.index, threads=settings.threads,
-                              precision=settings.precision, data=settings.calibration_data)
-    except (EncoderMismatchError, QuantizationError):
-        raise
-    except Exception as err:  # noqa: BLE001 - any failure of the optional fast path
-        if settings.encoder == "onnx":
-            raise
-        log.warning("serving sketches with PyTorch: the ONNX encoder is unavailable (%s: %s)",
-                    type(err).__name__, err)
-        return TorchEncoder(embedder)
+    name = model.encoder_name("sketch", settings.mirror_queries)
+    return model.encoder(name, settings.precision, settings.threads)

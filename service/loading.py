@@ -1,5 +1,6 @@
-"""Loading what the service serves: the checkpoint (found from the settings or the index),
-its sketch encoder, and the index's current version, checked to belong together."""
+"""Loading what the service serves: the model bundle (from the settings or the index's
+sidecar), its sketch encoder, and the index's current version, checked to belong together.
+Everything is read; nothing is made or written."""
 
 from __future__ import annotations
 
@@ -14,25 +15,21 @@ from index.threads import set_threads
 from service.encoders import pick_encoder
 from service.retrieval import RetrievalEngine, check_width
 from service.settings import Settings
-from training.cdk.config import expansion, from_dict
-from training.cdk.model.embedder import Embedder
+from training.cdk.model.bundle import Bundle
 
 log = logging.getLogger(__name__)
 
 
-def find_checkpoint(settings: Settings) -> Path:
-    """The checkpoint to serve: the setting, else the sidecar's path, else next to the index."""
-    if settings.checkpoint is not None:
-        return settings.checkpoint
-    tried = [Path(read_sidecar(settings.index).checkpoint), settings.index / "checkpoint.pt",
-             settings.index.parent / "checkpoint.pt"]
-    for path in tried:
-        if path.is_file():
-            return path
+def find_model(settings: Settings) -> Path:
+    """The model bundle to serve: the setting, else the one the index's sidecar names."""
+    if settings.model is not None:
+        return settings.model
+    recorded = read_sidecar(settings.index).model
+    if recorded and Path(recorded).is_dir():
+        return Path(recorded)
     raise FileNotFoundError(
-        "no checkpoint found for index " + repr(str(settings.index)) + "; tried "
-        + ", ".join(repr(str(p)) for p in tried) + "; set SKETCHSVD_CHECKPOINT or --checkpoint"
-    )
+        f"the model bundle the index {str(settings.index)!r} was built with is not at "
+        f"{recorded!r}; set SKETCHSVD_MODEL or --model to its folder")
 
 
 def version_name(folder: Path) -> str | None:
@@ -41,22 +38,30 @@ def version_name(folder: Path) -> str | None:
     return None if version == Path(folder) else version.name
 
 
-def open_current(folder: Path, embedder) -> tuple[GalleryIndex, str | None]:
+def open_current(folder: Path, model, photos_root: str | None = None
+                 ) -> tuple[GalleryIndex, str | None]:
     """The current version of the index at `folder` and its name, checked against the
-    served checkpoint (its hash and its embeddings' width); memory-mapped, read only.
+    served model (its sha256 and its embeddings' width) and, when given, the photo folder
+    fixed at start (`photos_root`: a version that names another is refused); memory-mapped,
+    read only.
 
     The pointer is read before and after loading: equal, the version loaded is the one
     named (pointers only move to new names), else a writer switched meanwhile: again.
     """
     for _ in range(3):
         before = version_name(folder)
-        gallery = load_index(folder, checkpoint_sha256=embedder.checkpoint_sha256, mmap=True)
+        gallery = load_index(folder, model_sha256=model.sha256, mmap=True)
         if version_name(folder) == before:
             break
     else:
         raise IndexStoreError(f"the index at {str(folder)!r} changed during each of 3 loads")
-    check_width(embedder, gallery)
-    if gpu_available() and gallery.kind.gpu:
+    check_width(model, gallery)
+    if photos_root is not None and gallery.sidecar.photos_root != photos_root:
+        raise IndexStoreError(
+            f"index version {before} names the photo folder {gallery.sidecar.photos_root!r}, "
+            f"not the one this service serves ({photos_root!r}); restart the service to serve "
+            "another photo folder")
+    if gallery_on_gpu(gallery):
         # HNSW has no GPU version in FAISS; GPU indexes are not thread-safe, and requests
         # search from several threads: one search at a time.
         gallery.index = SerializedIndex(to_gpu(gallery.index))
@@ -64,21 +69,29 @@ def open_current(folder: Path, embedder) -> tuple[GalleryIndex, str | None]:
     return gallery, before
 
 
+def gallery_on_gpu(gallery: GalleryIndex) -> bool:
+    return gpu_available() and gallery.kind.gpu
+
+
 def load_engine(settings: Settings) -> RetrievalEngine:
     """Load the model and the index once (at startup), checking they belong together."""
     set_threads(settings.threads)
-    checkpoint = find_checkpoint(settings)
-    embedder = Embedder.from_checkpoint(checkpoint, device=settings.device,
-                                        sketch_flip_average=settings.mirror_queries)
-    gallery, version = open_current(settings.index, embedder)
-    encoder = pick_encoder(settings, embedder)
-    log.info("loaded %s (width %d, %s, sketches by %s) and index %s version %s (%d photos, "
-             "%d dims, %s)", checkpoint, embedder.width, embedder.backbone, encoder.name,
-             settings.index, version, len(gallery), gallery.dims, gallery.sidecar.kind)
-    expand = expansion(from_dict(embedder.config))
+    model = Bundle.open(find_model(settings))
+    gallery, version = open_current(settings.index, model)
+    encoder = pick_encoder(settings, model)
+    log.info("loaded model %s, sketches by %s %s; index %s version %s (%d photos, %d dims, "
+             "%s)", model.describe(), encoder.name, encoder.precision, settings.index, version,
+             len(gallery), gallery.dims, gallery.sidecar.kind)
+    expand = model.inference.query_expansion()
     if settings.expand_n is not None:
         expand = dataclasses.replace(expand, n=settings.expand_n)
-    return RetrievalEngine(embedder, gallery, settings.max_pixels, settings.photos_dir,
-                           checkpoint, decode_side=2 * embedder.size_of("sketch"),
+    return RetrievalEngine(model, gallery, settings.max_pixels, settings.photos_dir,
+                           decode_side=2 * model.size_of("sketch"),
                            embed_batch=settings.embed_batch, encoder=encoder, version=version,
-                           expansion=expand, expand_rescore=settings.expand_rescore)
+                           expansion=expand, expand_rescore=settings.expand_rescore,
+                           mirror_queries=encoder_mirrors(model, settings))
+
+
+def encoder_mirrors(model, settings: Settings) -> bool:
+    """Whether served sketches are averaged with their mirror image."""
+    return bool(model.inference.flip_average["sketch"]) and settings.mirror_queries is not False

@@ -4,8 +4,9 @@ The index writer (`index.build`, `index.add`) stages each version in its own fol
 replaces `INDEX/CURRENT` atomically (index.store). The service reads that pointer every
 `reload_interval` seconds (and on `POST /admin/reload`); when it names another version, the
 new one is opened beside the one being served, checked (complete, built from the served
-checkpoint, embeddings as wide as the checkpoint's) and swapped in for the requests that
+model bundle, embeddings as wide as the model's) and swapped in for the requests that
 start after it; the old one is closed when its last request ends (service.galleries). A
+version that names another photo folder than the one served since start is refused. A
 version that fails its checks is refused with a log line naming the reason, the old one
 keeps serving, and the same version is not tried again until the pointer moves or a reload
 is forced.
@@ -63,7 +64,8 @@ class Reloader:
             if not force and self._refused is not None and self._refused[0] == name:
                 return Outcome(served, refused=self._refused[1])
             try:
-                gallery, loaded = open_current(self.folder, self.engine.embedder)
+                gallery, loaded = open_current(self.folder, self.engine.model,
+                                               self.engine.recorded_root)
             except (IndexStoreError, ValueError, OSError, RuntimeError) as err:
                 return self._refuse(name, f"{type(err).__name__}: {err}", served, force)
             self.engine.galleries.swap(gallery, loaded)

@@ -39,8 +39,9 @@ class DimsError(ValueError):
 @dataclass(frozen=True)
 class Hit:
     id: str
-    cls: str
+    cls: str  # "" for a photo without a class
     score: float
+    path: str  # the photo's path in its gallery (for display)
 
 
 @dataclass
@@ -59,39 +60,45 @@ class Timings:
         return ", ".join(f"{s};dur={1000 * getattr(self, s):.2f}" for s in self.STAGES)
 
 
-def check_width(embedder, gallery: GalleryIndex) -> None:
-    """The checkpoint's embeddings and the index's vectors must be equally wide."""
-    if embedder.width != gallery.sidecar.width:
+def check_width(model, gallery: GalleryIndex) -> None:
+    """The model's embeddings and the index's vectors must be equally wide."""
+    if model.width != gallery.sidecar.width:
         raise IndexCorruptError(
-            f"the checkpoint's embeddings are {embedder.width} wide but the index was "
+            f"the model's embeddings are {model.width} wide but the index was "
             f"built from embeddings {gallery.sidecar.width} wide"
         )
 
 
 class RetrievalEngine:
-    """A checkpoint's sketch encoder and the gallery being served (swappable, see
-    `galleries`)."""
+    """A model's sketch encoder and the gallery being served (swappable, see `galleries`).
 
-    def __init__(self, embedder, gallery: GalleryIndex, max_pixels: int,
-                 photos_root: Path | None = None, checkpoint: Path | None = None,
-                 decode_side: int | None = None, embed_batch: int = 16,
-                 encoder: Encoder | None = None, version: str | None = None,
-                 expansion: Expansion | None = None, expand_rescore: int = RESCORE):
-        check_width(embedder, gallery)
-        self.embedder = embedder
+    `model` embeds nothing here but gives the sketches' preprocessing (a Bundle); `encoder`
+    runs them (default: the model's PyTorch modules). Photos are served from `photos_root`
+    (None: the folder the first version's sidecar names); versions that name another photo
+    folder are refused on reload, so the folder is fixed for the life of the process."""
+
+    def __init__(self, model, gallery: GalleryIndex, max_pixels: int,
+                 photos_root: Path | None = None, decode_side: int | None = None,
+                 embed_batch: int = 16, encoder: Encoder | None = None,
+                 version: str | None = None, expansion: Expansion | None = None,
+                 expand_rescore: int = RESCORE, mirror_queries: bool = False):
+        check_width(model, gallery)
+        self.model = model
         self.galleries = GalleryHolder(gallery, version)
         self.max_pixels = max_pixels
-        self.photos_root = photos_root
-        self.checkpoint = checkpoint
+        self.photos_root = Path(photos_root or gallery.sidecar.photos_root)
+        # what every later version must name (service.reload)
+        self.recorded_root = gallery.sidecar.photos_root
+        self.mirror_queries = mirror_queries
         # Uploads are shrunk while decoding to keep both sides >= decode_side (None: not
         # shrunk); the model resizes them to its input size anyway.
         self.decode_side = decode_side
         self.embed_batch = embed_batch
         # Sketches are embedded by `encoder` (ONNX Runtime on the CPU, service.encoders);
         # the photo side is never run here: photos are embedded by index.build.
-        self.encoder = encoder or TorchEncoder(embedder)
+        self.encoder = encoder or TorchEncoder(model.embedder("cpu"))
         # Each query expanded with its best photos before the search that answers it
-        # (training.cdk.model.smoothing.Expansion; the checkpoint's, or the settings').
+        # (training.cdk.model.smoothing.Expansion; the model's, or the settings').
         self.expansion = expansion or Expansion(n=0)
         # ... and a pool of at least max(100, expand_rescore x k) candidates (the index
         # kind's) re-scored by the expanded query (0: a second search of the whole index;
@@ -117,7 +124,7 @@ class RetrievalEngine:
     def _embed_chunk(self, images: list, dims: int, timings: Timings) -> np.ndarray:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            batch = self.embedder.preprocess(images, "sketch")  # (N, 3, H, W)
+            batch = self.model.preprocess(images, "sketch")  # (N, 3, H, W)
         t1 = time.perf_counter()
         out = self.encoder(batch)[:, :dims]  # (N, dims)
         t2 = time.perf_counter()
@@ -165,5 +172,5 @@ def _hits(gallery: GalleryIndex, scores: np.ndarray, rows: np.ndarray) -> list[H
     """Hits of one query from its (k',) scores and rows; only these rows of the photo table
     are decoded. FAISS marks missing results with row -1."""
     photos = gallery.photos
-    return [Hit(p.id, p.cls, float(s))
+    return [Hit(p.id, p.cls, float(s), p.path)
             for s, p in ((s, photos[r]) for s, r in zip(scores, rows, strict=True) if r >= 0)]

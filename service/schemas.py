@@ -9,9 +9,11 @@ class HitOut(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
 
     id: str
-    class_: str = Field(alias="class")
+    class_: str | None = Field(alias="class", description="the photo's class folder; null "
+                               "for a photo without one")
     score: float
     url: str
+    path: str = Field(description="the photo's path in its gallery folder (for display)")
 
 
 class RetrieveOut(BaseModel):
@@ -76,8 +78,8 @@ class Limits(BaseModel):
 
 
 class InfoOut(BaseModel):
-    model: str
-    checkpoint_sha256: str
+    model: str  # the model bundle's folder
+    model_sha256: str  # its identity (the sha256 of its model.json)
     backbone: str
     encoder: str  # what embeds query sketches: onnxruntime or torch
     precision: str  # its arithmetic: fp32 or int8

@@ -18,9 +18,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SKETCHSVD_", frozen=True, extra="forbid")
 
     index: Path = Path("runs/index")
-    checkpoint: Path | None = Field(
-        default=None, description="None: the path in the index sidecar, else checkpoint.pt "
-        "next to the index")
+    model: Path | None = Field(
+        default=None, description="the model bundle folder (training.cdk writes it); None: "
+        "the one the index was built with (its sidecar names it)")
     # Override it when the photos moved, e.g. into a container volume.
     photos_dir: Path | None = Field(
         default=None, description="None: the photo folder recorded in the index sidecar")
@@ -28,27 +28,23 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     device: str | None = Field(default=None, description="None: CUDA when present, else CPU")
     encoder: Literal["auto", "onnx", "torch"] = Field(
-        default="auto", description="sketch encoder. auto: ONNX Runtime on the CPU (exported "
-        "once per checkpoint, cached in the index folder), PyTorch on CUDA")
+        default="auto", description="sketch encoder. auto: the bundle's ONNX graph on ONNX "
+        "Runtime on the CPU, its PyTorch modules on CUDA")
     precision: Literal["auto", "fp32", "int8"] = Field(
-        default="auto", description="the ONNX sketch encoder's arithmetic. auto: int8 where "
-        "it holds parity with float32 on the checkpoint's validation classes and is faster on "
-        "this CPU (made once per checkpoint, calibrated on its training classes, cached in "
-        "the index folder), else float32")
-    calibration_data: Path | None = Field(
-        default=None, description="the training data for int8 calibration and parity; None: "
-        "the folder the checkpoint was trained on")
+        default="auto", description="the ONNX sketch encoder's arithmetic. auto: the bundle's "
+        "choice (int8 where it held parity with float32 on the model's validation classes and "
+        "was faster when the bundle was written), else the one named")
     expand_n: int | None = Field(
         default=None, ge=0, description="query expansion: each query moves toward the mean "
         "of its expand_n best photos and ranks again (expand_rescore); None: the "
-        "checkpoint's (the cpu preset: 5); 0: off (one search)")
+        "model's (the cpu preset: 5); 0: off (one search)")
     expand_rescore: int = Field(  # training.cdk.model.smoothing.RESCORE (torch-free here)
         default=10, ge=0, description="the expanded query re-scores a pool of at least "
         "max(100, expand_rescore x k) candidates (the index kind's) instead of searching the "
         "whole index again (the same top 10 where measured); 0: a second full search")
     mirror_queries: bool | None = Field(
-        default=None, description="None: sketches embedded as the checkpoint was trained "
-        "(the cpu preset embeds each sketch alone, one backbone pass; a checkpoint trained "
+        default=None, description="None: sketches embedded as the model was trained "
+        "(the cpu preset embeds each sketch alone, one backbone pass; a model trained "
         "with --sketch-flip-average averages it with its mirror image: two passes); "
         "false: the sketch alone even then (x1.6 queries/s on the CPU)")
     threads: int = Field(default=1, ge=1, description="torch/FAISS threads per inference")

@@ -56,33 +56,61 @@ def small_sketches(small_gallery) -> list[bytes]:
 @pytest.fixture(scope="session")
 def real_checkpoint(tmp_path_factory) -> Path:
     """An untrained but complete training.cdk checkpoint (small head and input size; no raw
-    coordinates, so its embeddings are the 8 modes; ``hybrid_checkpoint`` has them)."""
-    from training.cdk.model.checkpoint import init_checkpoint
+    coordinates, so its embeddings are the 8 modes)."""
+    from tests.bundles import init_checkpoint
 
     return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "checkpoint.pt", modes=8, hidden=16,
                            image_size=64, raw_dims=0)
 
 
 @pytest.fixture(scope="session")
-def hybrid_checkpoint(tmp_path_factory) -> Path:
-    """As ``real_checkpoint``, with 8 raw coordinates after the 8 modes (L = 16 wide)."""
-    from training.cdk.model.checkpoint import init_checkpoint
+def real_bundle(tmp_path_factory):
+    """The model bundle of an untrained checkpoint like ``real_checkpoint`` (float32 graphs;
+    its sketches embedded alone, photos mirror-averaged as the cpu preset does)."""
+    from tests.bundles import untrained_bundle
 
-    return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "hybrid.pt", modes=8, hidden=16,
-                           image_size=64, raw_dims=8)
-
-
-@pytest.fixture(scope="session")
-def real_embedder(real_checkpoint):
-    from training.cdk.model.embedder import Embedder
-
-    return Embedder.from_checkpoint(real_checkpoint, device="cpu")
+    return untrained_bundle(tmp_path_factory.mktemp("bundle"), modes=8, hidden=16,
+                            image_size=64, raw_dims=0, sketch_flip_average=False)
 
 
 @pytest.fixture(scope="session")
-def real_index(tmp_path_factory, real_embedder, real_checkpoint, small_gallery) -> Path:
+def hybrid_bundle(tmp_path_factory):
+    """As ``real_bundle``, with 8 raw coordinates after the 8 modes (16 wide)."""
+    from tests.bundles import untrained_bundle
+
+    return untrained_bundle(tmp_path_factory.mktemp("hybrid"), modes=8, hidden=16,
+                            image_size=64, raw_dims=8, sketch_flip_average=False)
+
+
+@pytest.fixture(scope="session")
+def int8_bundle(tmp_path_factory):
+    """An untrained bundle written with sketchy-mini as its training data (split 2), so it
+    holds int8 graphs calibrated and measured as training writes them. Parity thresholds
+    any int8 graph meets: the tests that use it are about what index and service do with
+    an int8 graph (parity itself: tests/cdk/test_quantize.py)."""
+    import training.cdk.quantize as quantize_mod
+    from tests.bundles import untrained_bundle
+
+    if not (DATA / "photo").is_dir():
+        pytest.skip(f"sketchy-mini data not found at {DATA}")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quantize_mod, "PARITY_OVERLAP", 0.0)
+        mp.setattr(quantize_mod, "PARITY_MAP_DROP", 1.0)
+        return untrained_bundle(tmp_path_factory.mktemp("int8"), data=DATA, modes=8,
+                                hidden=16, image_size=64, raw_dims=0,
+                                sketch_flip_average=False)
+
+
+@pytest.fixture(scope="session")
+def real_embedder(real_bundle):
+    return real_bundle.embedder("cpu")
+
+
+@pytest.fixture(scope="session")
+def real_index(tmp_path_factory, real_bundle, small_gallery) -> Path:
     from index.build import build_index
 
     out = tmp_path_factory.mktemp("real") / "index"
-    build_index(real_embedder, small_gallery, out, real_checkpoint, progress=False)
+    build_index(real_bundle, small_gallery, out, progress=False)
     return out

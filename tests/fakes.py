@@ -1,4 +1,5 @@
-"""A small deterministic stand-in for `training.cdk.model.embedder.Embedder` (same interface).
+"""A small deterministic stand-in for a model bundle (`training.cdk.model.bundle.Bundle`:
+the same interface as index and service use it).
 
 Features are 8x8 grey thumbnails (64 numbers); the "head" is a fixed seeded projection to L
 scaled by decreasing weights, so coordinates are ordered like singular functions.
@@ -7,29 +8,50 @@ scaled by decreasing weights, so coordinates are ordered like singular functions
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 from PIL import Image
 
-from training.cdk.config import make_config, to_dict
+from training.cdk.model.smoothing import Expansion, Smoothing
 
 
-class FakeEmbedder:
+class FakeEncoder:
+    """A FakeModel's side as an encoder (numpy in, numpy out), like an ONNX graph."""
+
+    name = "fake"
+
+    def __init__(self, model: FakeModel, modality: str, precision: str = "fp32"):
+        self.model, self.modality, self.precision = model, modality, precision
+
+    def __call__(self, images) -> np.ndarray:
+        x = images if isinstance(images, torch.Tensor) else torch.from_numpy(np.asarray(images))
+        return self.model.encode(x, self.modality).numpy().astype(np.float32)
+
+
+class FakeModel:
     def __init__(self, L: int = 8, seed: int = 0, tag: str = "fake"):
         self.width = self.modes = L
         self.raw_dims = 0
         self.backbone = "fake-thumbnail"
-        # a complete training.cdk config: no gallery smoothing, no feature cache
-        self.config = to_dict(make_config(modes=L, seed=seed, smooth_k=0, cache_dir=""))
-        self.checkpoint_sha256 = hashlib.sha256(f"{tag}-{L}-{seed}".encode()).hexdigest()
+        self.path = Path("fake-model")  # nothing there: a fake is never opened from disk
+        self.training: dict = {}  # no feature cache
+        self.sha256 = hashlib.sha256(f"{tag}-{L}-{seed}".encode()).hexdigest()
         self.device = torch.device("cpu")
-        self.sketch_flip_average = self.trained_sketch_flip_average = False
+        # no gallery smoothing; the cpu preset's query expansion
+        self.inference = SimpleNamespace(
+            gallery_smoothing=lambda: Smoothing(k=0), query_expansion=lambda: Expansion(),
+            flip_average={"sketch": False, "photo": False}, finetuned=False)
         g = torch.Generator().manual_seed(seed)
         self.singular_values = torch.linspace(1.0, 0.1, L)
         self._proj = {
             m: torch.randn(64, L, generator=g) * self.singular_values for m in ("sketch", "photo")
         }
+
+    def describe(self) -> str:
+        return f"fake model L={self.width}"
 
     def preprocess(self, images: list[Image.Image], modality: str) -> torch.Tensor:
         return thumbnails(images)
@@ -39,6 +61,15 @@ class FakeEmbedder:
 
     def transform(self, modality: str = "photo"):
         return thumbnails
+
+    def encoder_name(self, modality: str, mirror: bool | None = None) -> str:
+        return modality
+
+    def encoder(self, name: str, precision: str = "auto", threads: int = 1) -> FakeEncoder:
+        return FakeEncoder(self, name, "fp32" if precision == "auto" else precision)
+
+    def embedder(self, device=None, sketch_flip_average=None) -> FakeModel:
+        return self  # its own PyTorch side
 
     def backbone_features(self, batch: torch.Tensor, modality: str) -> torch.Tensor:
         return batch.mean(dim=1).flatten(1) - 0.5  # (N, 64)
@@ -60,7 +91,7 @@ class FakeEmbedder:
 
 
 def thumbnails(images: list[Image.Image]) -> torch.Tensor:
-    """FakeEmbedder's preprocessing: (N, 3, 8, 8) floats in [0, 1]."""
+    """FakeModel's preprocessing: (N, 3, 8, 8) floats in [0, 1]."""
     arrays = [np.asarray(im.convert("RGB").resize((8, 8)), dtype=np.float32) / 255.0
               for im in images]
     return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2)

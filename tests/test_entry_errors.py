@@ -32,43 +32,46 @@ def one_line_error(proc: subprocess.CompletedProcess, *names: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    from training.cdk.model.checkpoint import init_checkpoint
+def model(tmp_path_factory) -> Path:
+    from tests.bundles import untrained_bundle
 
-    path = tmp_path_factory.mktemp("ckpt") / "checkpoint.pt"
-    init_checkpoint(path, modes=4, hidden=8)
-    return path
+    return untrained_bundle(tmp_path_factory.mktemp("model"), modes=4, hidden=8,
+                            image_size=64).path
 
 
-def test_index_build_with_a_link_out_of_the_gallery(tmp_path, small_gallery, checkpoint):
+def test_index_build_of_a_gallery_where_nothing_decodes(tmp_path, model):
     gallery = tmp_path / "gallery"
     gallery.mkdir()
-    cls = next(p for p in small_gallery.iterdir() if p.is_dir())
-    (gallery / cls.name).mkdir()
-    photo = next(cls.iterdir())
-    (gallery / cls.name / photo.name).write_bytes(photo.read_bytes())
-    outside = tmp_path / "elsewhere.jpg"
-    outside.write_bytes(photo.read_bytes())
-    (gallery / cls.name / "link.jpg").symlink_to(outside)
-    argv = ["index.build", "--checkpoint", str(checkpoint), "--photos", str(gallery),
-            "--out", str(tmp_path / "ix")]
-    one_line_error(run(*argv, cwd=tmp_path), "link.jpg", "outside")
+    (gallery / "a.jpg").write_bytes(b"not a jpeg")
+    (gallery / "b.png").write_bytes(b"")
+    argv = ["index.build", "--model", str(model), "--photos", str(gallery),
+            "--out", str(tmp_path / "ix"), "--no-progress"]
+    one_line_error(run(*argv, cwd=tmp_path), "none of the 2 photos", "a.jpg")
     debug = run(*argv, "--log-level", "debug", cwd=tmp_path)
     assert debug.returncode == 2 and "Traceback" in debug.stderr
     assert not (tmp_path / "ix" / "CURRENT").exists()
 
 
-def test_index_build_with_a_missing_checkpoint(tmp_path, small_gallery):
-    one_line_error(run("index.build", "--checkpoint", str(tmp_path / "none.pt"), "--photos",
+def test_index_build_with_a_missing_model_or_a_checkpoint_for_one(tmp_path, small_gallery,
+                                                                  model):
+    one_line_error(run("index.build", "--model", str(tmp_path / "none"), "--photos",
                        str(small_gallery), "--out", str(tmp_path / "ix"), cwd=tmp_path),
-                   "none.pt")
+                   "none", "python -m training.cdk")
+    one_line_error(run("index.build", "--model", str(model.parent / "checkpoint.pt"),
+                       "--photos", str(small_gallery), "--out", str(tmp_path / "ix"),
+                       cwd=tmp_path), "checkpoint.pt", "python -m training.cdk.make_bundle")
 
 
-def test_index_add_to_a_locked_index(tmp_path, small_gallery, checkpoint):
+def test_make_bundle_with_a_missing_checkpoint(tmp_path):
+    one_line_error(run("training.cdk.make_bundle", "--checkpoint", str(tmp_path / "c.pt"),
+                       cwd=tmp_path), "c.pt")
+
+
+def test_index_add_to_a_locked_index(tmp_path, small_gallery, model):
     from index.store import IndexWriter
 
     out = tmp_path / "ix"
-    build = run("index.build", "--checkpoint", str(checkpoint), "--photos", str(small_gallery),
+    build = run("index.build", "--model", str(model), "--photos", str(small_gallery),
                 "--out", str(out), "--no-progress", cwd=tmp_path)
     assert build.returncode == 0, build.stderr
     with IndexWriter(out, create=False):

@@ -9,16 +9,13 @@ from PIL import Image
 from index.build import build_index
 from index.gallery import scan_gallery
 from index.store import load_index
-from tests.fakes import FakeEmbedder
+from tests.fakes import FakeModel
 from training.cdk.data import scan
 from training.folders import (
     IMAGE_SUFFIXES,
     DataError,
     gallery_roots,
     scan_paired,
-)
-from training.folders import (
-    scan_gallery as scan_photo_folder,
 )
 from training.images import FORMATS
 
@@ -58,9 +55,8 @@ def test_sketchy_extended_for_training(tmp_path, extended):
 def test_index_build_reads_sketchy_extended(tmp_path):
     root = sketchy_extended(tmp_path / "sketchy")
     (root / "README.txt").write_text("files beside the class folders are not photos")
-    out = build_index(FakeEmbedder(L=4), root, tmp_path / "ix", tmp_path / "c.pt",
-                      progress=False).out
-    ix = load_index(out, FakeEmbedder(L=4).checkpoint_sha256)
+    out = build_index(FakeModel(L=4), root, tmp_path / "ix", progress=False).out
+    ix = load_index(out, FakeModel(L=4).sha256)
     assert ix.sidecar.count == 6 and Path(ix.sidecar.photos_root) == root.resolve()
     assert sorted({p.cls for p in ix.photos}) == ["cat", "dog"]
     by_id = {p.id: p for p in ix.photos}
@@ -70,7 +66,8 @@ def test_index_build_reads_sketchy_extended(tmp_path):
     assert all(ix.photo_path(p).is_file() for p in ix.photos)
     # The photo/ folder of the official layout on its own is a gallery too.
     assert gallery_roots(root / "photo") == [root / "photo" / OFFICIAL]
-    _, photos = scan_gallery(root / "photo")
+    scan = scan_gallery(root / "photo")
+    _, photos = scan.root, scan.photos
     assert [p.id for p in photos] == ["cat0", "cat1", "dog0", "dog1"]
 
 
@@ -79,8 +76,9 @@ def test_layouts_of_a_gallery(tmp_path):
     assert gallery_roots(tmp_path / "plain") == [tmp_path / "plain"]
     jpg(tmp_path / "pair" / "photo" / "a" / "x.jpg")
     jpg(tmp_path / "pair" / "sketch" / "a" / "x-1.png")
-    root, by_class = scan_photo_folder(tmp_path / "pair")
-    assert root == (tmp_path / "pair" / "photo").resolve() and list(by_class) == ["a"]
+    scan_pair = scan_gallery(tmp_path / "pair")
+    assert scan_pair.root == (tmp_path / "pair" / "photo").resolve()
+    assert [(p.cls, p.path) for p in scan_pair.photos] == [("a", "a/x.jpg")]
 
 
 def stray_cases(tmp_path: Path):
@@ -96,18 +94,20 @@ def stray_cases(tmp_path: Path):
         yield name, paired, offending
 
 
-def test_stray_entries_are_errors_naming_them_in_training_and_index(tmp_path):
+def test_stray_entries_are_errors_in_training_and_skipped_in_a_gallery(tmp_path):
+    """Training data must be exactly what it says (a stray file is an error naming it); a
+    photo folder is the user's (a stray file is skipped and counted)."""
     for name, paired, offending in stray_cases(tmp_path):
-        in_training = re.escape(f"unexpected entry '{offending}'")
-        in_index = re.escape(f"unexpected entry '{offending.resolve()}'")
-        with pytest.raises(DataError, match=in_training):
+        with pytest.raises(DataError, match=re.escape(f"unexpected entry '{offending}'")):
             scan(paired)
-        with pytest.raises(DataError, match=in_index):
-            scan_gallery(paired)
-        with pytest.raises(DataError, match=in_index):
-            scan_gallery(paired / "photo")  # the same folder as a plain gallery
+        for folder in (paired, paired / "photo"):  # the same folder as a plain gallery
+            found = scan_gallery(folder)
+            assert [p.path for p in found.photos] == ["a/a0.jpg"], name
+            if name != "subfolder":  # an empty folder holds nothing to skip
+                assert found.skipped == {"files that are not images": [
+                    f"a/{offending.name}"]}, name
         offending.unlink() if offending.is_file() else offending.rmdir()
-        assert len(scan(paired).photos) == 1 and len(scan_gallery(paired)[1]) == 1, name
+        assert len(scan(paired).photos) == 1 and len(scan_gallery(paired).photos) == 1, name
 
 
 def test_hidden_entries_are_ignored_everywhere(tmp_path):
@@ -117,7 +117,7 @@ def test_hidden_entries_are_ignored_everywhere(tmp_path):
     (tmp_path / "sketch" / "a" / ".a0-1.png.swp").write_bytes(b"x")
     (tmp_path / "photo" / ".cache").mkdir()
     assert len(scan(tmp_path).sketches) == 1
-    assert [p.id for p in scan_gallery(tmp_path)[1]] == ["a0"]
+    assert [p.id for p in scan_gallery(tmp_path).photos] == ["a0"]
 
 
 def test_one_sided_and_empty_classes_name_the_folder(tmp_path):

@@ -164,13 +164,14 @@ def test_training_and_index_embed_a_transparent_photo_alike(tmp_path):
     """The feature path of training and the gallery path of the index decode the same way."""
     from index.embed import embed_photos
     from index.gallery import scan_gallery
+    from tests.bundles import untrained_bundle
+    from training.cdk.checkpoint import load_checkpoint
     from training.cdk.features import extract_features
     from training.cdk.model.backbones import bare_backbone
-    from training.cdk.model.checkpoint import init_checkpoint, load_checkpoint
-    from training.cdk.model.embedder import Embedder
 
-    ckpt = init_checkpoint(tmp_path / "c.pt", modes=16, hidden=64)
-    e = Embedder.from_checkpoint(ckpt, device="cpu")
+    model = untrained_bundle(tmp_path / "m", modes=16, hidden=64)
+    ckpt = tmp_path / "m" / "checkpoint.pt"
+    e = model.embedder("cpu")
     rng = np.random.default_rng(0)
     rgba = rng.integers(0, 255, (40, 48, 4), dtype=np.uint8)
     rgba[:, :24, 3] = 0  # left half fully transparent
@@ -183,8 +184,10 @@ def test_training_and_index_embed_a_transparent_photo_alike(tmp_path):
     feats = extract_features([photo], bb, e.image_size, None, device="cpu")  # (1, D)
     trained = e.head(feats, "photo").numpy()  # (1, L)
 
-    root, photos = scan_gallery(tmp_path / "gallery")
-    indexed = embed_photos(e, root, photos, progress=False)  # (1, L)
+    scan = scan_gallery(tmp_path / "gallery")
+
+    root, photos = scan.root, scan.photos
+    indexed = embed_photos(model, root, photos, progress=False).vectors  # (1, L)
     np.testing.assert_allclose(indexed, trained, rtol=1e-4, atol=1e-5)
 
     black = e.embed([Image.open(photo).convert("RGB")], "photo")  # transparent -> black

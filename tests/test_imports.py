@@ -73,8 +73,8 @@ GRAPH = {m: imports_of(m) for m in MODULES}
 def test_the_scan_sees_the_known_edges():
     assert "training.loss" in GRAPH["training.cdk.train"]  # a relative `from ..loss import`
     assert "training.pde.plots" in GRAPH["training.pde.run"]  # `from training.pde import plots`
-    assert "index.add" in GRAPH["index.build"]
-    assert "training.cdk.model.embedder" in GRAPH["service.loading"]
+    assert "index.gallery" in GRAPH["index.add"]
+    assert "training.cdk.model.bundle" in GRAPH["service.loading"]
 
 
 def test_no_module_imports_a_later_layer():
@@ -115,6 +115,40 @@ def test_importing_a_package_loads_no_later_layer(package):
         f"for m in {mods!r}:",
         "    importlib.import_module(m)",
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {later!r}))",
+    ])
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+# What serving reads of a model is the bundle's inference block: the modules index and service
+# import never load the training configuration, the training loop or the bundle writer.
+TRAINING_ONLY = ("training.cdk.config", "training.cdk.train", "training.cdk.run",
+                 "training.cdk.checkpoint", "training.cdk.make_bundle", "training.cdk.quantize",
+                 "training.cdk.splits", "training.cdk.data")
+
+
+def closure(modules) -> set[str]:
+    seen, todo = set(), list(modules)
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(GRAPH[m])
+    return seen
+
+
+def test_serving_never_imports_the_training_configuration():
+    serving = [m for m in MODULES if m.split(".")[0] in ("index", "service")]
+    reached = closure(serving)
+    assert sorted(reached & set(TRAINING_ONLY)) == []
+    assert "training.cdk.model.bundle" in reached  # what they read instead
+    code = "\n".join([
+        "import importlib, sys",
+        f"for m in {sorted(serving)!r}:",
+        "    importlib.import_module(m)",
+        f"print(sorted(m for m in sys.modules if m in {TRAINING_ONLY!r}))",
     ])
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, timeout=300)

@@ -5,22 +5,22 @@ Layouts:
 * official Sketchy Extended: ROOT/sketch/tx_000000000000/<class>/..., ROOT/photo/
   tx_000000000000/<class>/..., plus the extended photos in ROOT/extended_photo/<class>/ or
   ROOT/EXTEND_image_sketchy/<class>/ when present;
-* photo gallery (the index): any of the above (its photo side), or a plain DIR/<class>/<file>.
-A class folder holds image files only: anything else in it (another folder, a file with
-another suffix) is a DataError naming it, since a silently skipped file is a silently wrong
-dataset. Hidden entries (.DS_Store, editor swap files) are ignored everywhere.
+* photo gallery (the index): the photo side of either (`gallery_roots`), or any folder
+  (`index.gallery` scans it, skipping what is not an image).
+In training data a class folder holds image files only: anything else in it (another
+folder, a file with another suffix) is a DataError naming it, since a silently skipped file
+is a silently wrong dataset. Hidden entries (.DS_Store, editor swap files) are ignored
+everywhere.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 __all__ = [
     "IMAGE_SUFFIXES", "OFFICIAL_SUBDIR", "EXTENDED_PHOTO_DIRS", "DataError", "list_images",
     "class_folders", "images_by_class", "paired_roots", "gallery_roots", "scan_paired",
-    "scan_gallery",
 ]
 
 log = logging.getLogger(__name__)
@@ -132,18 +132,3 @@ def scan_paired(root: str | Path) -> tuple[ByClass, ByClass]:
         if not photos[cls]:
             raise DataError(f"empty class: no photos in {_where(photo_roots, cls)}")
     return sketches, photos
-
-
-def scan_gallery(folder: str | Path) -> tuple[Path, ByClass]:
-    """(root, {class: photo files}) of a gallery folder (layouts in the module docstring);
-    root is the deepest folder holding every photo root, what index paths are relative to.
-    DataError when there are no class folders, no photos at all, or a stray entry."""
-    roots = [r.resolve() for r in gallery_roots(folder)]  # files below stay unresolved links
-    by_class = images_by_class(roots)
-    if not by_class:
-        raise DataError(f"photo folder {str(folder)!r} has no class subfolders "
-                        f"(looked in {[str(r) for r in roots]})")
-    if not any(by_class.values()):
-        raise DataError(f"photo folder {str(folder)!r} has class folders but no images")
-    root = Path(os.path.commonpath(roots))
-    return root, by_class

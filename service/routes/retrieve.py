@@ -71,7 +71,8 @@ def upload_of(file: UploadFile, limit: int) -> tuple[str, BinaryIO]:
 def hits_out(hits: list[Hit], keys: Keys) -> list[HitOut]:
     """Hits with their photo URLs (signed when keys are on, so that <img src> opens them)."""
     url = keys.sign if keys.enabled else (lambda path: path)
-    return [HitOut(id=h.id, class_=h.cls, score=h.score, url=url(f"/photos/{h.id}"))
+    return [HitOut(id=h.id, class_=h.cls or None, score=h.score, url=url(f"/photos/{h.id}"),
+                   path=h.path)
             for h in hits]
 
 

@@ -23,24 +23,24 @@ async def health(engine: EngineDep) -> HealthOut:
 def info(engine: EngineDep, settings: SettingsDep, request: Request) -> InfoOut:
     gallery, version = engine.galleries.current()
     side = gallery.sidecar
-    model = engine.checkpoint.name if engine.checkpoint is not None else side.checkpoint
+    model = engine.model
     return InfoOut(
-        model=str(model),
-        checkpoint_sha256=side.checkpoint_sha256,
-        backbone=engine.embedder.backbone,
+        model=str(model.path),
+        model_sha256=model.sha256,
+        backbone=model.backbone,
         encoder=engine.encoder.name,
         precision=engine.encoder.precision,
-        mirror_queries=engine.embedder.sketch_flip_average,
-        sketch_size=engine.embedder.size_of("sketch"),
+        mirror_queries=engine.mirror_queries,
+        sketch_size=model.size_of("sketch"),
         gallery_smoothing=side.smoothing,
         query_expansion=({**engine.expansion.as_dict(), "rescore": engine.expand_rescore}
                          if engine.expansion.active else {}),
-        width=engine.embedder.width,
-        modes=engine.embedder.modes,
-        raw_dims=engine.embedder.raw_dims,
+        width=model.width,
+        modes=model.modes,
+        raw_dims=model.raw_dims,
         available_dims=DimsRange(min=1, max=gallery.dims),
         gallery_size=len(gallery),
-        classes=len(gallery.photos.classes),
+        classes=sum(1 for c in gallery.photos.classes if c),
         index_kind=side.kind,
         index_version=version,
         metric=side.metric,

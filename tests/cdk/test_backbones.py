@@ -2,9 +2,9 @@ import pytest
 import torch
 import torchvision
 
+from tests.bundles import init_checkpoint
+from training.cdk.make_bundle import embedder_of_checkpoint
 from training.cdk.model.backbones import build_backbone, weights_fingerprint
-from training.cdk.model.checkpoint import init_checkpoint
-from training.cdk.model.embedder import Embedder
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_vgg16_checkpoint_embeds_512_to_L(vgg_file, tmp_path):
     path, _ = vgg_file
     ck = init_checkpoint(tmp_path / "v.pt", backbone="vgg16", modes=4, hidden=8,
                          backbone_weights=str(path), image_size=32)
-    e = Embedder.from_checkpoint(ck, device="cpu")
+    e = embedder_of_checkpoint(ck, "cpu")[0]
     from PIL import Image
 
     z = e.embed([Image.new("RGB", (40, 40), (200, 10, 10))], "photo")

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from training.cdk.__main__ import main
+from training.cdk.checkpoint import load_checkpoint
 from training.cdk.data import scan
 from training.cdk.metrics import retrieval_metrics
-from training.cdk.model.checkpoint import load_checkpoint
-from training.cdk.model.embedder import Embedder
+from training.cdk.model.bundle import Bundle
 from training.cdk.model.smoothing import Expansion, Smoothing, expand_exact, smooth
 from training.images import load_image
 
@@ -51,19 +51,22 @@ def _args(root, split, out, cache, *extra):
     return ["--data", str(root), "--split", str(split), "--out", str(out),
             "--cache-dir", str(cache), "--image-size", "32", "--modes", "4", "--hidden", "16",
             "--batch-size", "6", "--epochs", "2", "--gallery-queries", "2",
-            "--gallery-topk", "3", "--k", "2", *extra]
+            "--gallery-topk", "3", "--k", "2", "--int8", "false", *extra]
 
 
 def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
     root, split = tiny
     out = tmp_path / "run"
-    assert main(_args(root, split, out, tmp_path / "cache", "--method", "neuralsvd-jnt")) == 0
+    assert main(_args(root, split, out, tmp_path / "cache", "--method", "neuralsvd-jnt",
+                      "--int8", "true")) == 0
     printed = capsys.readouterr().out
     assert "mAP@all" in printed
     # before the first step: the preset and why, and the run's estimated time
     lines = printed.splitlines()
     assert lines[0].startswith("preset cpu (no --preset given): the default")
-    assert lines[1].startswith("estimated time from here: ") and "steps x" in lines[1]
+    assert lines[1].startswith("estimated time: ") and "before the first image" in lines[1]
+    assert "steps x" in lines[1] and "the model bundle about" in lines[1]
+    assert lines[2].startswith("estimated time from here: ") and "steps x" in lines[2]
     assert json.loads((out / "config.json").read_text())["modes"] == 4
     m = json.loads((out / "metrics.json").read_text())
     for key in ("map_all", "precision_at_k", "k", "map_by_dims", "singular_values"):
@@ -102,12 +105,20 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
             *v["precision_by_dims"].values()]
     assert all(np.isfinite(x) and 0 <= x <= 1 for x in nums)
 
-    # The checkpoint alone reproduces the reported numbers through the Embedder.
+    # The model bundle alone reproduces the reported numbers, through its PyTorch modules
+    # and its float32 graphs; its int8 graphs were calibrated on the training classes and
+    # measured on the validation classes.
     ck = load_checkpoint(out / "checkpoint.pt")
     assert ck["epoch"] == 2 and ck["train_state"] is None and ck["trained"]
     # the preset's photos are mirror-averaged, its sketches (the queries) are not
     assert ck["backbone"]["photo_flip_average"] and not ck["backbone"]["sketch_flip_average"]
-    e = Embedder.from_checkpoint(out / "checkpoint.pt", device="cpu")
+    model = Bundle.open(out / "model")
+    assert "model bundle" in printed and str(out / "model") in printed
+    assert set(model.encoders) == {"sketch", "photo"}  # no single-view graph: not averaged
+    for name, info in model.encoders.items():
+        assert info.graphs["int8"] == f"{name}.int8.onnx" and info.parity["queries"] == 6
+    assert model.training["classes"]["valid"] == list(VALID)
+    e = model.embedder("cpu")
     assert e.photo_flip_average and not e.sketch_flip_average
     for classes, want in ((TEST, m), (VALID, v)):  # test numbers top level, valid in "valid"
         te = scan(root).restrict(list(classes))
@@ -119,6 +130,10 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
             assert r["map_all"] == pytest.approx(want["map_by_dims"][str(d)], abs=1e-6)
         r = retrieval_metrics(f, g, te.sketch_labels, te.photo_labels, 2)
         assert r["map_all"] == pytest.approx(want["map_all"], abs=1e-6)
+        for modality, x, files in (("sketch", f, te.sketches), ("photo", g, te.photos)):
+            graph = model.encoder(modality, "fp32")
+            y = graph(model.preprocess([load_image(p) for p in files], modality))
+            np.testing.assert_allclose(y, x, rtol=1e-3, atol=1e-4)  # summation order
         assert r["precision_at_k"] == pytest.approx(want["precision_at_k"], abs=1e-6)
         # what the service answers: the smoothed gallery, each query expanded with its best
         # photos (the preset's 5, of 6 here)
@@ -129,9 +144,11 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
         assert r["map_all"] == pytest.approx(want["service"]["map_all"], abs=1e-6)
     np.testing.assert_allclose(e.singular_values.numpy(), m["singular_values"], rtol=1e-6)
 
-    # Running again finds the finished run: no retraining, same numbers.
+    # Running again finds the finished run: no retraining, same numbers, the same bundle
+    # (indexes built with it stay valid).
     main(_args(root, split, out, tmp_path / "cache", "--method", "neuralsvd-jnt"))
     assert json.loads((out / "metrics.json").read_text())["map_all"] == m["map_all"]
+    assert Bundle.open(out / "model").sha256 == model.sha256
 
 
 def test_cli_seeded_determinism_and_lora(tiny, tmp_path):
@@ -156,7 +173,7 @@ def test_cli_finetune_trains_separate_backbones(tiny, tmp_path):
     sk, ph = ck["backbones"]["sketch"], ck["backbones"]["photo"]
     changed = [k for k in sk if sk[k].is_floating_point() and not torch.equal(sk[k], ph[k])]
     assert changed, "fine-tuning left both backbones identical"
-    assert Embedder.from_checkpoint(out / "checkpoint.pt").embed(
+    assert Bundle.open(out / "model").embedder().embed(
         [load_image(next(Path(root, "sketch", "bat").iterdir()))], "sketch").shape == (1, 4)
     assert json.loads((out / "metrics.json").read_text())["learned"] is None  # no raw dims
     # validation embeds through the fine-tuned backbones as the test evaluation does
@@ -270,7 +287,7 @@ def test_cli_sketches_at_their_own_size_and_the_embedder_agrees(tiny, tmp_path):
     assert (m["config"]["image_size"], m["config"]["sketch_image_size"]) == (32, 24)
     ck = load_checkpoint(out / "checkpoint.pt")
     assert (ck["backbone"]["image_size"], ck["backbone"]["sketch_image_size"]) == (32, 24)
-    e = Embedder.from_checkpoint(out / "checkpoint.pt", device="cpu")
+    e = Bundle.open(out / "model").embedder("cpu")
     va = scan(root).restrict(list(VALID))
     sketches = [load_image(p) for p in va.sketches]
     f = e.embed(sketches, "sketch")

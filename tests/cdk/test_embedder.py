@@ -3,10 +3,16 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.bundles import init_checkpoint
 from tests.fakes import crafted_checkpoint
-from training.cdk.model.checkpoint import init_checkpoint, load_checkpoint
-from training.cdk.model.embedder import Embedder
+from training.cdk.checkpoint import load_checkpoint
+from training.cdk.make_bundle import embedder_of_checkpoint
 from training.cdk.model.heads import retrieval_embedding
+
+
+def from_checkpoint(path, device=None, sketch_flip_average=None):
+    """The Embedder of a training checkpoint, as a bundle written from it holds it."""
+    return embedder_of_checkpoint(path, device, sketch_flip_average)[0]
 
 
 @pytest.fixture(scope="module")
@@ -25,18 +31,17 @@ def _images():
 
 
 def test_embed_shape_dtype_and_determinism(ckpt):
-    e = Embedder.from_checkpoint(ckpt, device="cpu")
+    e = from_checkpoint(ckpt, device="cpu")
     assert e.width == 16 and e.modes == 8 and e.raw_dims == 8 and e.backbone == "efficientnet-lite0"
     assert e.singular_values.shape == (8,) and bool(torch.isfinite(e.singular_values).all())
-    assert e.config["untrained"] is True and e.trained is False
     import hashlib
 
-    assert e.checkpoint_sha256 == hashlib.sha256(ckpt.read_bytes()).hexdigest()
+    assert e.sha256 == hashlib.sha256(ckpt.read_bytes()).hexdigest()
     for modality in ("sketch", "photo"):
         z = e.embed(_images(), modality, batch_size=2)
         assert z.shape == (3, 16) and z.dtype == np.float32 and np.isfinite(z).all()
         # A fresh embedder from the same file gives the same numbers.
-        z2 = Embedder.from_checkpoint(ckpt, device="cpu").embed(_images(), modality)
+        z2 = from_checkpoint(ckpt, device="cpu").embed(_images(), modality)
         np.testing.assert_allclose(z, z2, rtol=1e-5, atol=1e-6)
     # Pieces compose to embed(); norm cap mu holds.
     x = e.preprocess(_images(), "photo")
@@ -45,11 +50,11 @@ def test_embed_shape_dtype_and_determinism(ckpt):
     assert feats.shape == (3, 1280)
     np.testing.assert_allclose(e.head(feats, "photo").numpy(), e.embed(_images(), "photo"),
                                rtol=1e-5, atol=1e-6)
-    assert np.linalg.norm(z, axis=1).max() <= e.config["mu"] + 1e-4
+    assert np.linalg.norm(z, axis=1).max() <= e.inference.head["mu"] + 1e-4
 
 
 def test_transparent_sketch_is_white(ckpt):
-    e = Embedder.from_checkpoint(ckpt, device="cpu")
+    e = from_checkpoint(ckpt, device="cpu")
     clear = Image.new("RGBA", (32, 32), (0, 0, 0, 0))
     white = Image.new("RGB", (32, 32), (255, 255, 255))
     torch.testing.assert_close(e.preprocess([clear], "sketch"), e.preprocess([white], "sketch"))
@@ -68,15 +73,15 @@ def test_not_a_checkpoint_is_a_clear_error(tmp_path):
     bad = tmp_path / "x.pt"
     torch.save({"weights": torch.zeros(2)}, bad)
     with pytest.raises(ValueError, match="not a sketchsvd CDK checkpoint"):
-        Embedder.from_checkpoint(bad)
+        from_checkpoint(bad)
     with pytest.raises(FileNotFoundError, match=r"checkpoint '.*gone.pt' does not exist"):
-        Embedder.from_checkpoint(tmp_path / "gone.pt")
+        from_checkpoint(tmp_path / "gone.pt")
     junk = tmp_path / "y.pt"
     junk.write_bytes(b"junk")
     with pytest.raises(ValueError, match="y.pt"):
-        Embedder.from_checkpoint(junk)
+        from_checkpoint(junk)
     with pytest.raises(ValueError, match="modality"):
-        Embedder.from_checkpoint(init_checkpoint(tmp_path / "z.pt", modes=4, hidden=8)).embed(
+        from_checkpoint(init_checkpoint(tmp_path / "z.pt", modes=4, hidden=8)).embed(
             _images(), "drawing")
 
 
@@ -86,7 +91,7 @@ def test_crafted_checkpoint_is_refused_without_running_code(tmp_path):
     bad = crafted_checkpoint(tmp_path / "evil.pt", marker, {"format": "sketchsvd-cdk",
                                                             "version": 2})
     with pytest.raises(ValueError, match="evil.pt' is not a sketchsvd CDK checkpoint"):
-        Embedder.from_checkpoint(bad)
+        from_checkpoint(bad)
     assert not marker.exists()
     torch.load(bad, weights_only=False)  # the file is a real threat: an unsafe load runs it
     assert marker.read_text() == "ran"
@@ -98,13 +103,13 @@ def test_incomplete_checkpoint_names_the_file_and_the_missing_keys(ckpt, tmp_pat
     torch.save(obj, tmp_path / "cut.pt")
     with pytest.raises(ValueError, match=r"cut.pt' is an incomplete CDK checkpoint: it lacks "
                                          r"head_arch, backbone.image_size"):
-        Embedder.from_checkpoint(tmp_path / "cut.pt")
+        from_checkpoint(tmp_path / "cut.pt")
     obj = load_checkpoint(ckpt)
     del obj["heads"]["photo"]["mlp.0.weight"]
     torch.save(obj, tmp_path / "heads.pt")
     with pytest.raises(ValueError, match=r"heads.pt' photo head weights do not fit "
                                          r"(?s:.*)mlp.0.weight"):
-        Embedder.from_checkpoint(tmp_path / "heads.pt")
+        from_checkpoint(tmp_path / "heads.pt")
 
 
 def test_hash_is_of_the_bytes_loaded_even_if_the_file_is_replaced_meanwhile(ckpt, tmp_path,
@@ -112,7 +117,7 @@ def test_hash_is_of_the_bytes_loaded_even_if_the_file_is_replaced_meanwhile(ckpt
     import hashlib
     import shutil
 
-    import training.cdk.model.checkpoint as checkpoint_mod
+    import training.cdk.checkpoint as checkpoint_mod
 
     path = shutil.copy(ckpt, tmp_path / "c.pt")
     loaded = path.read_bytes()
@@ -125,15 +130,15 @@ def test_hash_is_of_the_bytes_loaded_even_if_the_file_is_replaced_meanwhile(ckpt
         return obj
 
     monkeypatch.setattr(checkpoint_mod.torch, "load", load_then_replace)
-    e = Embedder.from_checkpoint(path, device="cpu")
-    assert e.checkpoint_sha256 == hashlib.sha256(loaded).hexdigest()
-    assert e.checkpoint_sha256 != hashlib.sha256(path.read_bytes()).hexdigest()
+    e = from_checkpoint(path, device="cpu")
+    assert e.sha256 == hashlib.sha256(loaded).hexdigest()
+    assert e.sha256 != hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_a_mirrored_image_embeds_as_the_image(ckpt, tmp_path):
     # init_checkpoint averages backbone features over the mirror image (both modalities),
     # and the checkpoint says so
-    e = Embedder.from_checkpoint(ckpt, device="cpu")
+    e = from_checkpoint(ckpt, device="cpu")
     assert e.sketch_flip_average and e.photo_flip_average
     ims = _images()
     mirrored = [im.transpose(Image.Transpose.FLIP_LEFT_RIGHT) for im in ims]
@@ -143,7 +148,7 @@ def test_a_mirrored_image_embeds_as_the_image(ckpt, tmp_path):
     # a checkpoint without mirror averaging embeds the image alone
     plain = init_checkpoint(tmp_path / "plain.pt", modes=8, hidden=16, image_size=64,
                             raw_dims=8, photo_flip_average=False)
-    e_plain = Embedder.from_checkpoint(plain, device="cpu")
+    e_plain = from_checkpoint(plain, device="cpu")
     assert not e_plain.sketch_flip_average and not e_plain.photo_flip_average
     assert not np.allclose(e_plain.embed(mirrored, "photo"), e_plain.embed(ims, "photo"),
                            atol=1e-3)
@@ -154,12 +159,12 @@ def test_a_checkpoint_of_other_code_is_refused_with_the_fix(ckpt, tmp_path):
     old["version"] = 1
     torch.save(old, tmp_path / "old.pt")
     with pytest.raises(ValueError, match=r"old.pt' has checkpoint version 1.*retrain it"):
-        Embedder.from_checkpoint(tmp_path / "old.pt")
+        from_checkpoint(tmp_path / "old.pt")
     same = load_checkpoint(ckpt)
     del same["config"]["modes"]  # the right version with a config of other code
     torch.save(same, tmp_path / "odd.pt")
     with pytest.raises(ValueError, match=r"odd.pt lacks the config fields \['modes'\].*retrain"):
-        Embedder.from_checkpoint(tmp_path / "odd.pt")
+        from_checkpoint(tmp_path / "odd.pt")
 
 
 def test_photos_mirror_averaged_sketches_alone(tmp_path):
@@ -169,7 +174,7 @@ def test_photos_mirror_averaged_sketches_alone(tmp_path):
                            sketch_flip_average=False)
     meta = load_checkpoint(path)["backbone"]
     assert meta["photo_flip_average"] and not meta["sketch_flip_average"]
-    e = Embedder.from_checkpoint(path, device="cpu")
+    e = from_checkpoint(path, device="cpu")
     assert e.photo_flip_average and not e.sketch_flip_average
     assert not e.trained_sketch_flip_average
     ims = _images()
@@ -188,8 +193,8 @@ def test_photos_mirror_averaged_sketches_alone(tmp_path):
                                0.5 * (both[: len(ims)] + both[len(ims):]))
     # a checkpoint that mirror-averages its sketches queries them so, unless told not to
     path = init_checkpoint(tmp_path / "both.pt", modes=8, hidden=16, image_size=64)
-    assert Embedder.from_checkpoint(path, device="cpu").sketch_flip_average
-    single = Embedder.from_checkpoint(path, device="cpu", sketch_flip_average=False)
+    assert from_checkpoint(path, device="cpu").sketch_flip_average
+    single = from_checkpoint(path, device="cpu", sketch_flip_average=False)
     assert not single.sketch_flip_average and single.trained_sketch_flip_average
 
 
@@ -198,11 +203,11 @@ def test_the_checkpoint_says_how_the_backbone_pools(ckpt, tmp_path):
     # checkpoint; one with average pooling (the same seeded heads) pools by the mean
     from training.cdk.model.backbones import global_pool
 
-    e = Embedder.from_checkpoint(ckpt, device="cpu")
+    e = from_checkpoint(ckpt, device="cpu")
     assert e.pooling == "gem" and load_checkpoint(ckpt)["backbone"]["pooling"] == "gem"
     avg = init_checkpoint(tmp_path / "avg.pt", modes=8, hidden=16, image_size=64, raw_dims=8,
                           pooling="avg")
-    e_avg = Embedder.from_checkpoint(avg, device="cpu")
+    e_avg = from_checkpoint(avg, device="cpu")
     assert e_avg.pooling == "avg"
     ims = _images()
     x = e.preprocess(ims, "photo")
@@ -221,13 +226,13 @@ def test_unit_embeddings_scale_the_heads_outputs_to_length_one(ckpt, tmp_path):
     # the cpu preset's checkpoints embed on the unit sphere; the heads' raw outputs (the
     # learned functions) are what modules() returns; a checkpoint without unit embeddings
     # (the paper preset) embeds the raw outputs
-    e = Embedder.from_checkpoint(ckpt, device="cpu")
+    e = from_checkpoint(ckpt, device="cpu")
     assert e.unit_embeddings and load_checkpoint(ckpt)["config"]["unit_embeddings"] is True
     plain = load_checkpoint(ckpt)
     plain["config"].update(unit_embeddings=False, raw_dims=0)
     plain["raw"] = None
     torch.save(plain, tmp_path / "plain.pt")
-    e_raw = Embedder.from_checkpoint(tmp_path / "plain.pt", device="cpu")
+    e_raw = from_checkpoint(tmp_path / "plain.pt", device="cpu")
     assert not e_raw.unit_embeddings and e_raw.raw_dims == 0 and e_raw.width == e_raw.modes == 8
     ims = _images()
     for modality in ("sketch", "photo"):
@@ -253,7 +258,7 @@ def test_retrieval_embedding_keeps_zero_rows_and_directions():
 def test_raw_coordinates_follow_the_modes(ckpt, tmp_path):
     # embed = [unit(head(x)), sqrt(w) unit((x - mean_m) @ axes)], as stored; d-prefixes up to
     # the modes are the learned embedding alone
-    e = Embedder.from_checkpoint(ckpt, device="cpu")
+    e = from_checkpoint(ckpt, device="cpu")
     stored = load_checkpoint(ckpt)["raw"]
     ims = _images()
     for modality in ("sketch", "photo"):
@@ -268,7 +273,7 @@ def test_raw_coordinates_follow_the_modes(ckpt, tmp_path):
     broken["raw"] = None
     torch.save(broken, tmp_path / "broken.pt")
     with pytest.raises(ValueError, match="broken.pt.*raw coordinates"):
-        Embedder.from_checkpoint(tmp_path / "broken.pt", device="cpu")
+        from_checkpoint(tmp_path / "broken.pt", device="cpu")
 
 
 def test_fit_raw_projections_against_numpy_pca():

@@ -14,14 +14,14 @@ from PIL import Image
 from tests.cdk.reference import cdk_matrix, rayleigh_quotients
 from training.cdk import finetune
 from training.cdk import train as train_mod
+from training.cdk.checkpoint import load_checkpoint
 from training.cdk.config import make_config
 from training.cdk.data import scan
 from training.cdk.features import extract_features
 from training.cdk.finetune import Split, StepImages
 from training.cdk.inputs import ImageInputs, PairModel
+from training.cdk.make_bundle import embedder_of_checkpoint
 from training.cdk.model.backbones import BACKBONES, bare_backbone, build_backbone
-from training.cdk.model.checkpoint import load_checkpoint
-from training.cdk.model.embedder import Embedder
 from training.cdk.model.heads import MODALITIES, Head, retrieval_embedding
 from training.cdk.run import embed_features
 from training.cdk.train import TrainData
@@ -271,7 +271,7 @@ def test_embedder_embeds_as_evaluation_does(dataset, lite0, tmp_path):
     res = train_mod.train(_cfg(tmp_path, trainable_stages=1, epochs=1),
                           _data(dataset, lite0), lite0, tmp_path)
     assert res.backbones["sketch"] is not res.backbones["photo"]
-    e = Embedder.from_checkpoint(tmp_path / "checkpoint.pt", device="cpu")
+    e = embedder_of_checkpoint(tmp_path / "checkpoint.pt", "cpu")[0]
     assert e.image_size == SIZE
     for mod, files in (("sketch", dataset.sketches), ("photo", dataset.photos)):
         ref = retrieval_embedding(embed_features(res.heads[mod], extract_features(
@@ -299,6 +299,6 @@ def test_paper_preset_and_vgg16_fine_tuned_end_to_end(tmp_path, finetune):
     ck = load_checkpoint(tmp_path / "o" / "checkpoint.pt")
     assert ck["epoch"] == 1 and ck["backbone"]["finetuned"] == finetune
     assert ck["config"]["preset"] == "paper"
-    e = Embedder.from_checkpoint(tmp_path / "o" / "checkpoint.pt", device="cpu")
+    e = embedder_of_checkpoint(tmp_path / "o" / "checkpoint.pt", "cpu")[0]
     z = e.embed([Image.new("RGB", (40, 40), (200, 10, 10))], "photo")
     assert z.shape == (1, 8) and np.isfinite(z).all()

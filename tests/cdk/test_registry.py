@@ -15,6 +15,7 @@ from training.cdk.config import make_config
 from training.cdk.data import scan
 from training.cdk.features import extract_features
 from training.cdk.finetune import Split
+from training.cdk.make_bundle import embedder_of_checkpoint
 from training.cdk.metrics import retrieval_metrics
 from training.cdk.model.backbones import (
     BACKBONES,
@@ -24,7 +25,6 @@ from training.cdk.model.backbones import (
     register,
     stages_at_pools,
 )
-from training.cdk.model.embedder import Embedder
 from training.cdk.run import embed_features
 from training.cdk.train import TrainData
 from training.images import load_image
@@ -75,7 +75,7 @@ def test_a_registered_backbone_is_complete(tiny_cnn, tmp_path, capsys):
     assert "preset cpu" in capsys.readouterr().out
     m = json.loads((out / "metrics.json").read_text())
     assert len(m["history"]) == 3 and m["backbone"] == "tiny-cnn"
-    e = Embedder.from_checkpoint(out / "checkpoint.pt", device="cpu")
+    e = embedder_of_checkpoint(out / "checkpoint.pt", "cpu")[0]
     assert (e.backbone, e.image_size, e.modes, e.width) == ("tiny-cnn", 16, 4, 8)
     test = scan(root).restrict(["boat", "door"])
     f = e.embed([load_image(p) for p in test.sketches], "sketch")
@@ -108,7 +108,7 @@ def test_a_registered_backbone_fine_tunes_by_its_stages(tiny_cnn, tmp_path):
         after = res.backbones[m].state_dict()
         assert torch.equal(after["trunk.0.weight"], before["trunk.0.weight"])  # frozen stage
         assert not torch.equal(after["trunk.3.weight"], before["trunk.3.weight"])  # trained
-    e = Embedder.from_checkpoint(tmp_path / "o" / "checkpoint.pt", device="cpu")
+    e = embedder_of_checkpoint(tmp_path / "o" / "checkpoint.pt", "cpu")[0]
     assert e.finetuned
     for mod, files in (("sketch", ds.sketches), ("photo", ds.photos)):
         want = embed_features(res.heads[mod], extract_features(

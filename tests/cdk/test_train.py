@@ -4,9 +4,9 @@ import torch
 import torch.multiprocessing as mp
 
 from training.cdk import train as train_mod
+from training.cdk.checkpoint import load_checkpoint
 from training.cdk.config import make_config
 from training.cdk.data import PairSampler, Sampler
-from training.cdk.model.checkpoint import load_checkpoint
 from training.cdk.train import TrainData
 
 from .ddp_worker import ddp_worker, synthetic_backbone, synthetic_data

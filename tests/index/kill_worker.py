@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import index.store  # noqa: E402
 from index.add import append_photos  # noqa: E402
 from index.build import build_index  # noqa: E402
-from tests.fakes import FakeEmbedder  # noqa: E402
+from tests.fakes import FakeModel  # noqa: E402
 
 MAX_STEPS = 300
 STORE = index.store.__file__
@@ -75,9 +75,9 @@ def install_kill_point(n: int) -> None:
 
 
 def run_writer(kind: str, out: Path, gallery: Path) -> None:
-    embedder = FakeEmbedder(L=8)
+    embedder = FakeModel(L=8)
     if kind == "build":
-        build_index(embedder, gallery, out, "ckpt.pt", dims=4, progress=False)
+        build_index(embedder, gallery, out, dims=4, progress=False)
     else:
         append_photos(embedder, out, gallery, progress=False)
 

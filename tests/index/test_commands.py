@@ -10,29 +10,29 @@ from index.add import parse_args as add_args
 from index.build import BuildConfig
 from index.build import parse_args as build_args
 
-REQUIRED = ["--checkpoint", "ck.pt", "--photos", "p", "--out", "o"]
+REQUIRED = ["--model", "m", "--photos", "p", "--out", "o"]
 
 
 def test_build_flags():
-    assert build_args(REQUIRED) == BuildConfig(checkpoint="ck.pt", photos="p", out="o")
+    assert build_args(REQUIRED) == BuildConfig(model="m", photos="p", out="o")
     cfg = build_args([*REQUIRED, "--dims", "8", "--kind", "ivf", "--batch-size", "4",
-                      "--recall-k", "5", "--device", "cpu", "--threads", "1", "--append",
+                      "--recall-k", "5", "--device", "cpu", "--threads", "1",
                       "--no-progress", "--feature-cache", "none", "--workers", "0",
                       "--encoder", "torch", "--kind", "ivfsq48", "--shard-size", "7"])
     assert (cfg.dims, cfg.kind, cfg.batch_size, cfg.recall_k, cfg.device, cfg.threads) == \
         (8, "ivfsq48", 4, 5, "cpu", 1)
     assert (cfg.feature_cache, cfg.workers, cfg.encoder, cfg.shard_size) == ("none", 0,
                                                                              "torch", 7)
-    assert cfg.append is True and cfg.progress is False
-    assert build_args([*REQUIRED, "--append", "false", "--progress", "no"]).append is False
+    assert cfg.progress is False
+    assert build_args([*REQUIRED, "--progress", "no"]).progress is False
 
 
 def test_add_flags():
     assert add_args(["--index", "i", "--photos", "p"]) == AddConfig(index="i", photos="p")
-    cfg = add_args(["--index", "i", "--photos", "p", "--checkpoint", "c", "--batch-size", "2",
+    cfg = add_args(["--index", "i", "--photos", "p", "--model", "c", "--batch-size", "2",
                     "--no-progress", "--feature-cache", "cache", "--workers", "3",
                     "--encoder", "onnx"])
-    assert (cfg.checkpoint, cfg.batch_size, cfg.progress) == ("c", 2, False)
+    assert (cfg.model, cfg.batch_size, cfg.progress) == ("c", 2, False)
     assert (cfg.feature_cache, cfg.workers, cfg.encoder) == ("cache", 3, "onnx")
 
 
@@ -42,7 +42,8 @@ def test_add_flags():
     ([*REQUIRED, "--encoder", "tensorrt"], "invalid choice: 'tensorrt'"),
     ([*REQUIRED, "--dims", "all"], "argument --dims: invalid int value: 'all'"),
     ([*REQUIRED, "--batch_size", "4"], "unrecognized arguments: --batch_size"),
-    ([*REQUIRED, "--append", "maybe"], "argument --append: expected one of"),
+    ([*REQUIRED, "--progress", "maybe"], "argument --progress: expected one of"),
+    ([*REQUIRED, "--checkpoint", "c.pt"], "unrecognized arguments: --checkpoint"),
 ])
 def test_build_errors(argv, message, capsys):
     with pytest.raises(SystemExit):

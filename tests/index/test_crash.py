@@ -22,7 +22,7 @@ from index.store import (
     current_version,
     load_index,
 )
-from tests.fakes import FakeEmbedder, make_gallery
+from tests.fakes import FakeModel, make_gallery
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ SCENARIOS = [("build", "versioned"), ("add", "versioned"), ("build", "none")]
 @pytest.fixture(scope="module")
 def killed_runs(tmp_path_factory) -> dict:
     """{(writer, layout): (gallery, old snapshot or None, runs folder, worker result)}."""
-    embedder = FakeEmbedder(L=8)
+    embedder = FakeModel(L=8)
     jobs, prepared = [], {}
     for writer, layout in SCENARIOS:
         root = tmp_path_factory.mktemp(f"{writer}-{layout}")
@@ -58,7 +58,7 @@ def killed_runs(tmp_path_factory) -> dict:
         pristine = None
         if layout != "none":
             pristine = root / "pristine"
-            build_index(embedder, gallery, pristine, "ckpt.pt", dims=8, progress=False)
+            build_index(embedder, gallery, pristine, dims=8, progress=False)
         if writer == "add":
             make_gallery(gallery, classes=2, per_class=3, seed=1)  # 6 photos to append
         (root / "runs").mkdir()
@@ -76,7 +76,7 @@ def killed_runs(tmp_path_factory) -> dict:
 
 @pytest.fixture
 def embedder():
-    return FakeEmbedder(L=8)
+    return FakeModel(L=8)
 
 
 @pytest.mark.parametrize(("writer", "layout"), SCENARIOS[:2])
@@ -92,7 +92,7 @@ def test_killed_writer_leaves_the_old_or_the_new_index(killed_runs, embedder, wr
         seen.append("old" if state == old else "new")
         if writer == "build":
             check_clean_after_next_write(
-                run, lambda out: build_index(embedder, gallery, out, "c.pt", progress=False))
+                run, lambda out: build_index(embedder, gallery, out, progress=False))
         else:
             check_clean_after_next_write(
                 run, lambda out: append_photos(embedder, out, gallery, progress=False))
@@ -117,6 +117,6 @@ def test_killed_first_build_leaves_no_index_or_the_new_one(killed_runs, embedder
             outcomes.append("new")
         if run.exists():
             check_clean_after_next_write(
-                run, lambda out: build_index(embedder, gallery, out, "c.pt", progress=False))
+                run, lambda out: build_index(embedder, gallery, out, progress=False))
     assert outcomes[0] == "none" and outcomes[-1] == "new", outcomes
     assert outcomes == sorted(outcomes, key=["none", "new"].index), outcomes

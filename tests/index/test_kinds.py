@@ -11,7 +11,7 @@ from index.gpu import gpu_available, to_gpu
 from index.kinds import KINDS, get, parse_bytes, register, resolve
 from index.kinds.floats import AUTO_FLAT_MAX, HeldInMemory
 from index.search import pad_queries
-from tests.fakes import FakeEmbedder, make_gallery
+from tests.fakes import FakeModel, make_gallery
 
 
 def test_kind_chosen_by_size_or_name():
@@ -56,9 +56,9 @@ def test_a_registered_kind_is_built_searched_served_and_chosen(tmp_path, half_fl
     from index.store import load_index
 
     gallery = make_gallery(tmp_path / "photos", classes=3, per_class=5)
-    embedder = FakeEmbedder(L=8)
-    a = build_index(embedder, gallery, tmp_path / "a", "ckpt.pt", kind="flat16", progress=False)
-    b = build_sharded(embedder, gallery, tmp_path / "b", "ckpt.pt", kind="flat16",
+    embedder = FakeModel(L=8)
+    a = build_index(embedder, gallery, tmp_path / "a", kind="flat16", progress=False)
+    b = build_sharded(embedder, gallery, tmp_path / "b", kind="flat16",
                       shard_size=4, progress=False)
     assert a.sidecar.kind == b.sidecar.kind == "flat16"
     assert set(a.recall) == {8} and a.recall[8] == 1.0  # measured: the kind is not `exact`
@@ -68,7 +68,7 @@ def test_a_registered_kind_is_built_searched_served_and_chosen(tmp_path, half_fl
     q = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
     scores, rows = ix.search(q, k=15)  # a 3-prefix, zero-padded by the kind's default search
     np.testing.assert_allclose(scores, -np.sort(-(q @ vectors[:, :3].T), axis=1), rtol=1e-5)
-    assert parse_args(["--checkpoint", "c", "--photos", "p", "--out", "o",
+    assert parse_args(["--model", "m", "--photos", "p", "--out", "o",
                        "--kind", "flat16"]).kind == "flat16"
     # between flat (rank 0) and ivf (rank 1): taken when float32 does not fit the budget
     assert resolve("auto", 50_000, 64, parse_bytes("10M"))[0] is half_flat

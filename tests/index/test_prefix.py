@@ -129,13 +129,13 @@ def test_built_loaded_served_and_appended_through_the_index_commands(tmp_path):
     from index.add import append_photos
     from index.sharded import build_sharded
     from index.store import load_index
-    from tests.fakes import FakeEmbedder, make_gallery
+    from tests.fakes import FakeModel, make_gallery
 
     gallery = make_gallery(tmp_path / "photos", classes=20, per_class=500, size=8)
-    build_sharded(FakeEmbedder(L=16), gallery, tmp_path / "ix", "ckpt.pt", kind="scanprefix",
+    build_sharded(FakeModel(L=16), gallery, tmp_path / "ix", kind="scanprefix",
                   shard_size=4_000, progress=False)
     make_gallery(gallery, classes=2, per_class=5, seed=1)
-    report = append_photos(FakeEmbedder(L=16), tmp_path / "ix", gallery, progress=False)
+    report = append_photos(FakeModel(L=16), tmp_path / "ix", gallery, progress=False)
     ix = load_index(tmp_path / "ix")
     assert report.added == 10 and len(ix) == ix.index.ntotal == 10_010
     assert ix.sidecar.kind == "scanprefix" and set(ix.sidecar.recall["by_dims"]) == {"16"}

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from index.embed import Embedded
 from index.errors import IndexStoreError
 from index.gallery import Photo, scan_gallery
 from index.kinds import KINDS, DoesNotFit, choose, get, parse_bytes
@@ -22,7 +23,7 @@ from index.shards import (
     write_shard,
 )
 from index.store import current_version, load_index
-from tests.fakes import FakeEmbedder, make_gallery
+from tests.fakes import FakeModel, make_gallery
 from tests.index.test_kinds import sketch_like
 
 
@@ -36,7 +37,8 @@ def synthetic_plan(folder: Path, vectors: np.ndarray, shard_size: int) -> ShardP
     plan = ShardPlan(folder, folder, vectors.shape[1], "sha", tuple(shards))
     folder.mkdir(parents=True, exist_ok=True)
     for s in shards:
-        write_shard(plan, s, vectors[s.start : s.start + len(s.photos)])
+        write_shard(plan, s, Embedded(list(s.photos), vectors[s.start : s.start + len(s.photos)],
+                                      0, []))
     return plan
 
 
@@ -63,7 +65,7 @@ def test_code_kind_from_shards_against_brute_force(sketchlike, name, floor, extr
     photos, sketches, plan = sketchlike
     kind = get(name)
     params = {**kind.plan(len(photos), 32, nprobe=16), **extra}
-    index = build_codes(kind, plan_blocks(plan), 32, params, work=plan.folder)
+    index = build_codes(kind, plan_blocks(plan)[0], 32, params, work=plan.folder)
     assert index.ntotal == len(photos)
     got = {d: recall(kind, index, photos, sketches, d) for d in (4, 16, 32)}
     record_property(f"{name}_recall", got)
@@ -88,7 +90,7 @@ def test_scalar_codes_score_the_decoded_prefix_exactly(sketchlike, name):
     kind = get(name)
     narrow = {"lead": 16, "scan": 16, "fine": 8} if name == "scanprefix" else {}
     params = {**kind.plan(20_000, 32, nprobe=256), **narrow}
-    index = kind.build(plan_blocks(plan), 32, params)
+    index = kind.build(plan_blocks(plan)[0], 32, params)
     decoded = kind.reconstruct(index, 0, 20_000)
     scalar = 16 if name == "scanprefix" else 32  # its tail has product codes: no max bound
     error = np.abs(decoded - photos)
@@ -106,7 +108,7 @@ def test_the_mixed_kind_codes_its_leading_coordinates_with_8_bits(sketchlike):
     errors = {}
     for lead in (0, 8):
         params = {**kind.plan(20_000, 32), "lead": lead}
-        index = kind.build(plan_blocks(plan), 32, params)
+        index = kind.build(plan_blocks(plan)[0], 32, params)
         errors[lead] = np.abs(kind.reconstruct(index, 0, 20_000) - photos).max(0)  # (32,)
         assert index.sa_code_size() == (32 + lead) // 2 + 1  # + 1 byte for the cell number
     # 4 more bits: the rounding error of the first 8 coordinates falls 16-fold (>= 8 here),
@@ -174,20 +176,20 @@ def test_interrupted_encoding_resumes_at_the_first_shard_not_encoded(tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        build_codes(kind, plan_blocks(plan), 16, params, plan.folder, on_block=stop_after_two)
+        build_codes(kind, plan_blocks(plan)[0], 16, params, plan.folder, on_block=stop_after_two)
     written = {p.name: p.stat().st_mtime_ns for p in plan.folder.glob("codes-*")}
     assert len(written) == 2 and len(list(plan.folder.glob("trained-*"))) == 1
-    resumed = build_codes(kind, plan_blocks(plan), 16, params, plan.folder)
+    resumed = build_codes(kind, plan_blocks(plan)[0], 16, params, plan.folder)
     assert {p.name: p.stat().st_mtime_ns for p in plan.folder.glob("codes-*")
             if p.name in written} == written  # not encoded again
     again = synthetic_plan(tmp_path / "again", photos, 3_000)
-    whole = build_codes(kind, plan_blocks(again), 16, params, again.folder)
+    whole = build_codes(kind, plan_blocks(again)[0], 16, params, again.folder)
     q = pad_queries(photos[:50, :8], 16)
     for a, b in zip(resumed.search(q, 10), whole.search(q, 10), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
-class StopAfter(FakeEmbedder):
+class StopAfter(FakeModel):
     """Raises once `limit` photos have been embedded (an interrupted build)."""
 
     def __init__(self, limit):
@@ -205,24 +207,25 @@ def test_sharded_build_resumes_and_never_shows_a_partial_index(tmp_path):
     gallery = make_gallery(tmp_path / "photos", classes=3, per_class=5)
     out = tmp_path / "ix"
     with pytest.raises(KeyboardInterrupt):
-        build_sharded(StopAfter(8), gallery, out, "ckpt.pt", kind="ivfsq8", batch_size=4,
+        build_sharded(StopAfter(8), gallery, out, kind="ivfsq8", batch_size=4,
                       shard_size=4, progress=False)
     with pytest.raises(IndexStoreError):
         load_index(out)  # two shards on disk, no index
     plan_files = sorted(p.name for p in (out / "shards").glob("shard-*.json"))
     assert len(plan_files) == 2
-    report = build_sharded(FakeEmbedder(L=8), gallery, out, "ckpt.pt", kind="ivfsq8",
+    report = build_sharded(FakeModel(L=8), gallery, out, kind="ivfsq8",
                            batch_size=4, shard_size=4, progress=False)
     assert report.embedded == 15 - 8 and report.shards == 4
-    again = build_sharded(FakeEmbedder(L=8), gallery, out, "ckpt.pt", kind="ivfsq8",
+    again = build_sharded(FakeModel(L=8), gallery, out, kind="ivfsq8",
                           batch_size=4, shard_size=4, progress=False)
     assert again.embedded == 0
     # The shards hold what the local engine computes, photo by photo, with the same ids.
-    root, photos = scan_gallery(gallery)
-    reference = FakeEmbedder(L=8).embed([Image.open(root / p.path) for p in photos], "photo")
+    scan = scan_gallery(gallery)
+    root, photos = scan.root, scan.photos
+    reference = FakeModel(L=8).embed([Image.open(root / p.path) for p in photos], "photo")
     from index.shards import plan_shards
 
-    plan = plan_shards(out / "shards", root, photos, 8, FakeEmbedder(L=8).checkpoint_sha256, 4)
+    plan = plan_shards(out / "shards", root, photos, 8, FakeModel(L=8).sha256, 4)
     assert not missing_shards(plan)
     np.testing.assert_allclose(load_vectors(plan), reference, rtol=1e-6, atol=1e-6)
     ix = load_index(out)
@@ -237,7 +240,7 @@ def test_index_is_memory_mapped(tmp_path):
     from index.build import build_index
 
     gallery = make_gallery(tmp_path / "photos", classes=2, per_class=3)
-    build_index(FakeEmbedder(L=8), gallery, tmp_path / "ix", "ckpt.pt", progress=False)
+    build_index(FakeModel(L=8), gallery, tmp_path / "ix", progress=False)
     ix = load_index(tmp_path / "ix")
     path = str(current_version(tmp_path / "ix") / "index.faiss")
     maps = Path("/proc/self/maps")
@@ -250,7 +253,7 @@ def test_code_kinds_are_build_choices():
     from index.build import parse_args
 
     for kind in [k for k in KINDS if get(k).streams]:
-        cfg = parse_args(["--checkpoint", "c", "--photos", "p", "--out", "o", "--kind", kind,
+        cfg = parse_args(["--model", "m", "--photos", "p", "--out", "o", "--kind", kind,
                           "--max-index-memory", "3G", "--engine", "ray", "--shard-size", "7"])
         assert (cfg.kind, cfg.max_index_memory, cfg.engine, cfg.shard_size) == (
             kind, "3G", "ray", 7)
@@ -264,16 +267,16 @@ def test_append_to_a_code_index(tmp_path, kind):
     from index.add import append_photos
 
     gallery = make_gallery(tmp_path / "photos", classes=3, per_class=5)
-    build_sharded(FakeEmbedder(L=8), gallery, tmp_path / "ix", "ckpt.pt", kind=kind,
+    build_sharded(FakeModel(L=8), gallery, tmp_path / "ix", kind=kind,
                   shard_size=4, progress=False)
     queries = np.random.default_rng(0).normal(size=(4, 8)).astype(np.float32)
     before = load_index(tmp_path / "ix").search(queries, k=15)
     make_gallery(gallery, classes=2, per_class=3, seed=1)
-    report = append_photos(FakeEmbedder(L=8), tmp_path / "ix", gallery, progress=False)
+    report = append_photos(FakeModel(L=8), tmp_path / "ix", gallery, progress=False)
     ix = load_index(tmp_path / "ix")
     assert report.added == 6 and len(ix) == ix.index.ntotal == 21
     assert ix.sidecar.kind == kind
-    root, photos = scan_gallery(gallery)
+    photos = scan_gallery(gallery).photos
     assert {p.id for p in ix.photos} == {p.id for p in photos}
     scores, rows = ix.search(queries, k=21)
     for q in range(4):

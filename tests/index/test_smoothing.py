@@ -2,7 +2,7 @@
 stored vectors of a build and an append against the rule applied in torch, the sidecar, and
 the same vectors on every build path (in memory, shards, blocks of any size)."""
 
-import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,19 +16,19 @@ from index.build import build_index
 from index.gallery import scan_gallery
 from index.kinds import get
 from index.neighbours import (
-    checkpoint_smoothing,
     faiss_neighbours,
+    model_smoothing,
     smooth_added,
     smooth_blocks,
 )
 from index.store import load_index
-from tests.fakes import FakeEmbedder, make_gallery
-from training.cdk.config import Config
+from tests.fakes import FakeModel, make_gallery
 from training.cdk.model.smoothing import Smoothing, exact_neighbours, smooth
 
 
 def _photo_embeddings(embedder, folder):
-    root, photos = scan_gallery(folder)
+    scan = scan_gallery(folder)
+    root, photos = scan.root, scan.photos
     return embedder.embed([Image.open(root / p.path) for p in photos], "photo")
 
 
@@ -62,15 +62,15 @@ def test_duplicate_photos_never_count_themselves():
 
 def test_build_stores_smoothed_vectors_and_says_so(tmp_path):
     gallery = make_gallery(tmp_path / "photos", classes=4, per_class=6)
-    embedder = FakeEmbedder(L=8)
+    embedder = FakeModel(L=8)
     cfg = Smoothing(k=3, weight=2.0, rounds=2)
-    build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt", progress=False, smoothing=cfg)
+    build_index(embedder, gallery, tmp_path / "ix", progress=False, smoothing=cfg)
     ix = load_index(tmp_path / "ix", mmap=False)
     assert ix.sidecar.smoothing == {"k": 3, "weight": 2.0, "rounds": 2}
     want = smooth(torch.from_numpy(_photo_embeddings(embedder, gallery)), cfg).numpy()
     np.testing.assert_allclose(ix.index.reconstruct_n(0, len(ix)), want, rtol=1e-5, atol=1e-6)
 
-    build_index(embedder, gallery, tmp_path / "plain", "ckpt.pt", progress=False,
+    build_index(embedder, gallery, tmp_path / "plain", progress=False,
                 smoothing=Smoothing(k=0))
     plain = load_index(tmp_path / "plain", mmap=False)
     assert plain.sidecar.smoothing == {}
@@ -82,9 +82,9 @@ def test_a_truncated_build_keeps_the_prefix_of_the_full_smoothed_vectors(tmp_pat
     # neighbours found with all L modes: the --dims 3 index stores the first 3 coordinates
     # of what the full index stores, not the 3-dim prefixes smoothed on their own
     gallery = make_gallery(tmp_path / "photos", classes=4, per_class=6)
-    embedder = FakeEmbedder(L=8)
+    embedder = FakeModel(L=8)
     cfg = Smoothing(k=3, weight=2.0, rounds=2)
-    build_index(embedder, gallery, tmp_path / "ix", "ckpt.pt", dims=3, progress=False,
+    build_index(embedder, gallery, tmp_path / "ix", dims=3, progress=False,
                 smoothing=cfg)
     ix = load_index(tmp_path / "ix", mmap=False)
     full = torch.from_numpy(_photo_embeddings(embedder, gallery))
@@ -97,9 +97,9 @@ def test_a_truncated_build_keeps_the_prefix_of_the_full_smoothed_vectors(tmp_pat
 def test_append_smooths_new_photos_against_the_stored_ones(tmp_path):
     root = tmp_path / "photos"
     make_gallery(root, classes=3, per_class=5)
-    embedder = FakeEmbedder(L=8)
+    embedder = FakeModel(L=8)
     cfg = Smoothing(k=4, weight=3.0, rounds=2)
-    build_index(embedder, root, tmp_path / "ix", "ckpt.pt", progress=False, smoothing=cfg)
+    build_index(embedder, root, tmp_path / "ix", progress=False, smoothing=cfg)
     stored = load_index(tmp_path / "ix", mmap=False).index.reconstruct_n(0, 15)
     extra = make_gallery(root / "extra", classes=2, per_class=3, seed=7)
     add_mod.append_photos(embedder, tmp_path / "ix", extra, progress=False)
@@ -140,11 +140,11 @@ def test_blocks_of_any_size_give_the_same_bits(monkeypatch, exact_max):
                                    atol=1e-6)
 
 
-def test_checkpoint_smoothing_defaults_and_overrides():
-    own = {**dataclasses.asdict(Config()), "smooth_k": 10, "smooth_weight": 4.0,
-           "smooth_rounds": 2}
-    assert checkpoint_smoothing(own) == Smoothing(10, 4.0, 2)
-    assert checkpoint_smoothing(own, k=0) == Smoothing(0, 4.0, 2)
-    assert checkpoint_smoothing(own, weight=1.5, rounds=3) == Smoothing(10, 1.5, 3)
+def test_model_smoothing_defaults_and_overrides():
+    own = SimpleNamespace(inference=SimpleNamespace(
+        gallery_smoothing=lambda: Smoothing(10, 4.0, 2)))
+    assert model_smoothing(own) == Smoothing(10, 4.0, 2)
+    assert model_smoothing(own, k=0) == Smoothing(0, 4.0, 2)
+    assert model_smoothing(own, weight=1.5, rounds=3) == Smoothing(10, 1.5, 3)
     with pytest.raises(ValueError, match="-2"):
-        checkpoint_smoothing(own, k=-2)
+        model_smoothing(own, k=-2)

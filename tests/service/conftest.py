@@ -16,7 +16,7 @@ from service.main import create_app
 from service.retrieval import RetrievalEngine
 from service.server import server_config
 from service.settings import Settings
-from tests.fakes import FakeEmbedder, make_gallery
+from tests.fakes import FakeModel, make_gallery
 
 
 @pytest.fixture(scope="session")
@@ -24,8 +24,8 @@ def fake_index(tmp_path_factory):
     """A 3-class x 5-photo index built with the fake embedder (L=8, all dims stored)."""
     root = tmp_path_factory.mktemp("svc")
     photos = make_gallery(root / "photos", classes=3, per_class=5)
-    embedder = FakeEmbedder(L=8)
-    build_index(embedder, photos, root / "index", root / "ckpt.pt", progress=False)
+    embedder = FakeModel(L=8)
+    build_index(embedder, photos, root / "index", progress=False)
     return root / "index", embedder
 
 
@@ -91,10 +91,12 @@ def serve(app, settings):
 
 
 @contextmanager
-def service_process(index, *flags: str, **env: str):
+def service_process(index, *flags: str, _runner: str | None = None, **env: str):
     """`python -m service --index INDEX FLAGS` in its own process on 127.0.0.1; yields
     (url, process) once /health answers 200, and stops it after. Its output goes to a file
-    (a pipe nobody reads would fill and stall the server), `process.output()` reads it."""
+    (a pipe nobody reads would fill and stall the server), `process.output()` reads it.
+    `_runner`: Python code run instead of `-m service` (with the same arguments), e.g. to
+    install an audit hook first."""
     import os
     import subprocess
     import sys
@@ -107,7 +109,8 @@ def service_process(index, *flags: str, **env: str):
     port = free_port()
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "--index", str(index), "--port", str(port),
+        [sys.executable, *(["-c", _runner] if _runner else ["-m", "service"]),
+         "--index", str(index), "--port", str(port),
          "--host", "127.0.0.1", "--log-level", "warning", *flags],
         cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
         stdout=log, stderr=subprocess.STDOUT, text=True)

@@ -269,15 +269,19 @@ def test_image_tags_name_one_build(compose):
 
 
 def test_api_service(compose, tmp_path):
+    """api reads the runs volume (the bundle and the index) and the photos it serves, both
+    read only, and nothing else: no training data, no feature cache."""
     api = compose["services"]["api"]
     module, settings = parse(api["command"], tmp_path)
     assert module == "service" and (settings.host, settings.port) == ("0.0.0.0", 8000)
     ms = mounts(compose, api)
-    for path in (settings.index, api["environment"]["SKETCHSVD_CHECKPOINT"],
-                 api["environment"]["SKETCHSVD_PHOTOS_DIR"]):
-        assert mount_of(ms, PurePosixPath(path)) is not None, path
+    assert sorted((str(m.target), m.read_only) for m in ms) == [("/photos", True),
+                                                                ("/runs", True)]
+    assert mount_of(ms, PurePosixPath(settings.index)).source == "runs"
+    assert not any("TRAIN_DATA" in m.source for m in ms)
     for key in api["environment"]:  # pydantic-settings ignores unknown SKETCHSVD_* names
         assert key.removeprefix("SKETCHSVD_").lower() in Settings.model_fields, key
+    assert "SKETCHSVD_MODEL" not in api["environment"]  # the index's sidecar names it
     assert api["ports"][0].endswith(":8000")
 
 
@@ -304,15 +308,23 @@ def test_api_is_published_on_loopback_unless_asked(compose, monkeypatch, fake_in
 
 
 def test_train_service_runs_training_then_index_build(compose, tmp_path):
+    """train reads TRAIN_DATA, writes the model bundle, and indexes PHOTOS with it, where
+    api serves them from."""
     train = compose["services"]["train"]
     (m1, cdk), (m2, build) = [parse(a, tmp_path) for a in programs(train["command"])]
     assert (m1, m2) == ("training.cdk", "index.build")
-    assert cdk.preset == "cpu"
-    assert build.checkpoint == str(PurePosixPath(cdk.out) / "checkpoint.pt")
-    assert build.photos == cdk.data
+    assert cdk.preset == "cpu" and cdk.split == "none"
+    assert build.model == str(PurePosixPath(cdk.out) / "model")
+    ms = {m.target: m for m in mounts(compose, train)}
+    assert interpolate(ms[PurePosixPath(cdk.data)].source, {}) == "./data/train"
+    assert interpolate(ms[PurePosixPath(cdk.data)].source, {"TRAIN_DATA": "/t"}) == "/t"
+    photos = ms[PurePosixPath(build.photos)]
+    assert photos.read_only and ms[PurePosixPath(cdk.data)].read_only
     api = compose["services"]["api"]
     assert PurePosixPath(build.out) == parse(api["command"], tmp_path)[1].index
-    assert api["environment"]["SKETCHSVD_CHECKPOINT"] == build.checkpoint
+    served = {m.target: m for m in mounts(compose, api)}[PurePosixPath(build.photos)]
+    assert served.source == photos.source  # the same PHOTOS folder at the same path
+    assert interpolate(photos.source, {"PHOTOS": "/my photos"}) == "/my photos"
 
 
 def test_train_gpu_runs_a_gpu_preset_into_the_same_places(compose, tmp_path):
@@ -479,19 +491,20 @@ def test_probe_passes_a_real_answer_and_names_what_is_wrong(probe, live_server, 
     was built from, and fails against a folder that lacks or reclassifies its photos."""
     sketch = tmp_path / "sketch.png"
     sketch.write_bytes(sketch_png(seed=3))
-    gallery = probe.gallery_of(small_gallery)
-    assert len(gallery) == 15 and set(gallery.values()) == {p.name for p in small_gallery.iterdir()}
+    gallery, truth = probe.gallery_of(small_gallery)
+    assert gallery == truth and len(gallery) == 15
+    assert set(gallery.values()) == {p.name for p in small_gallery.iterdir()}
     status, answer = probe.retrieve(live_server, sketch, k=4)
     assert probe.problems(status, answer, 4, gallery) == []
-    top = answer["results"][0]["id"]
+    top = answer["results"][0]["path"]
     assert probe.problems(status, answer, 5, gallery) == [
         "asked for k=5, got k=4 and 4 results"]
     other = {**gallery, top: "not-its-class"}
     assert probe.problems(status, answer, 4, other) == [
-        f"id {top!r} has class {gallery[top]!r}, its folder is 'not-its-class'"]
+        f"{top!r} has class {gallery[top]!r}, expected 'not-its-class'"]
     missing = {i: c for i, c in gallery.items() if i != top}
-    assert probe.problems(status, answer, 4, missing) == [
-        f"id {top!r} is not a photo of the gallery"]
+    assert probe.problems(status, answer, 4, missing)[0].startswith(
+        f"path {top!r} (id {answer['results'][0]['id']!r}) is not a photo of the gallery")
     status, answer = probe.retrieve(live_server, sketch, k=10_000)  # over max_k
     assert status == 422 and probe.problems(status, answer, 10_000, gallery)[0].startswith(
         "status 422")
@@ -518,11 +531,11 @@ def test_probe_class_precision(probe, live_server, small_gallery, tmp_path, caps
         (sketches / cls).mkdir(parents=True)
         for j in (2, 1):  # the first file (sorted) is the one asked for
             (sketches / cls / f"s{j}.png").write_bytes(sketch_png(seed=10 * i + j))
-    gallery = probe.gallery_of(small_gallery)
+    gallery, truth = probe.gallery_of(small_gallery)
     asked = probe.first_sketches(sketches)
     assert [(p.parent.name, p.name) for p in asked] == [(c, "s1.png") for c in classes]
     assert len(probe.first_sketches(sketches, 2)) == 2
-    share, chance, found = probe.class_precision(live_server, asked, 4, gallery)
+    share, chance, found = probe.class_precision(live_server, asked, 4, gallery, truth)
     assert found == [] and chance == pytest.approx(5 / 15)  # 5 photos of each of 3 classes
     counted = []
     for sketch in asked:
@@ -530,7 +543,7 @@ def test_probe_class_precision(probe, live_server, small_gallery, tmp_path, caps
         counted += [r["class"] == sketch.parent.name for r in answer["results"]]
     assert share == pytest.approx(sum(counted) / len(counted))
     wrong = {i: "elsewhere" for i in gallery}  # a table whose classes are not the photos'
-    assert probe.class_precision(live_server, asked, 4, wrong)[2]  # named, not counted
+    assert probe.class_precision(live_server, asked, 4, wrong, truth)[2]  # named, not counted
 
     argv = ["--url", live_server, "--photos", str(small_gallery), "--sketch", str(asked[0]),
             "--k", "4", "--sketches", str(sketches)]
@@ -538,6 +551,29 @@ def test_probe_class_precision(probe, live_server, small_gallery, tmp_path, caps
     assert f"precision@4 over the first sketch of 3 classes: {share:.3f}" in capsys.readouterr().out
     assert probe.main([*argv, "--min-precision", "1.01"]) == 1  # a floor no answer meets
     assert capsys.readouterr().out.rstrip().endswith(": FAILED")
+
+
+def test_probe_judges_a_flat_gallery_by_its_labels(probe, tmp_path, small_gallery, monkeypatch):
+    """A folder without classes: the service answers no class, the labels say the truth."""
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    labels = {}
+    for f in sorted(small_gallery.glob("*/*")):
+        name = f"{f.parent.name} {f.name}"  # spaces, as a user names photos
+        (flat / name).write_bytes(f.read_bytes())
+        labels[name] = f.parent.name
+    (tmp_path / "labels.json").write_text(json.dumps(labels))
+    gallery, truth = probe.gallery_of(flat, tmp_path / "labels.json")
+    assert gallery == dict.fromkeys(labels) and truth == labels
+    first = sorted(labels)[0]
+    answer = {"k": 1, "results": [{"id": "x", "path": first, "class": None, "score": 1.0}]}
+    assert probe.problems(200, answer, 1, gallery) == []
+    answer["results"][0]["class"] = labels[first]  # a class the flat folder does not have
+    assert probe.problems(200, answer, 1, gallery) == [
+        f"{first!r} has class {labels[first]!r}, expected None"]
+    (tmp_path / "labels.json").write_text(json.dumps({**labels, "gone.jpg": "x"}))
+    with pytest.raises(ValueError, match="does not label exactly the photos"):
+        probe.gallery_of(flat, tmp_path / "labels.json")
 
 
 @pytest.mark.parametrize("script", sorted((REPO / "deploy").glob("*.sh")), ids=lambda p: p.name)

@@ -88,7 +88,7 @@ def fake_engine(fake_index, delay: float = 0.0, gate: threading.Event | None = N
     from service.retrieval import RetrievalEngine
 
     index_dir, embedder = fake_index
-    engine = RetrievalEngine(embedder, load_index(index_dir, embedder.checkpoint_sha256),
+    engine = RetrievalEngine(embedder, load_index(index_dir, embedder.sha256),
                              1_000_000)
     retrieve = engine.retrieve
 

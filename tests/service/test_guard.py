@@ -188,19 +188,21 @@ def test_paths_are_shortened_to_their_last_component():
 
 def test_a_refused_index_version_is_named_without_server_paths(tmp_path, settings):
     from index.build import build_index
-    from tests.fakes import FakeEmbedder, make_gallery
+    from tests.fakes import FakeModel, make_gallery
     from tests.service.test_reload import app_of
 
     photos = make_gallery(tmp_path / "photos", classes=2, per_class=3)
-    embedder = FakeEmbedder(L=8)
-    build_index(embedder, photos, tmp_path / "index", tmp_path / "ckpt.pt", progress=False)
+    embedder = FakeModel(L=8)
+    build_index(embedder, photos, tmp_path / "index", progress=False)
     with TestClient(app_of(settings, tmp_path, embedder)) as http:
-        build_index(FakeEmbedder(L=8, seed=5), photos, tmp_path / "index",
-                    tmp_path / "other.pt", progress=False)
+        other = FakeModel(L=8, seed=5)
+        other.path = tmp_path / "other-model"
+        build_index(other, photos, tmp_path / "index", progress=False)
         r = http.post("/admin/reload")
         assert r.status_code == 409
         detail = r.json()["detail"]
-        assert "was built from checkpoint sha256" in detail and "(.../other.pt)" in detail
+        assert "was built with the model bundle of sha256" in detail
+        assert "(.../other-model)" in detail
         assert str(tmp_path) not in detail and "/tmp" not in detail, detail
         (tmp_path / "index" / "CURRENT").write_text("nope\n")
         detail = http.post("/admin/reload").json()["detail"]

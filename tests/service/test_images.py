@@ -31,7 +31,7 @@ def png(img: Image.Image, **kw) -> bytes:
 @pytest.fixture(params=[None, 32], ids=["full-size", "shrunk"])
 def client(request, fake_index, settings):
     index_dir, embedder = fake_index
-    engine = RetrievalEngine(embedder, load_index(index_dir, embedder.checkpoint_sha256),
+    engine = RetrievalEngine(embedder, load_index(index_dir, embedder.sha256),
                              settings.max_pixels, decode_side=request.param)
     with TestClient(create_app(settings, loader=lambda s: engine)) as c:
         yield c

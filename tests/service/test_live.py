@@ -1,4 +1,4 @@
-"""The service over real HTTP: uvicorn on 127.0.0.1, the real checkpoint, `python -m service`."""
+"""The service over real HTTP: uvicorn on 127.0.0.1, a real model bundle, `python -m service`."""
 
 import os
 import socket
@@ -53,8 +53,8 @@ def test_missing_index_prints_the_build_command(tmp_path, capsys):
     assert service_main(["--index", str(missing)]) == 2
     err = capsys.readouterr().err
     assert f"no index folder at '{missing}'" in err
-    assert (f"python -m index.build --checkpoint runs/cdk/checkpoint.pt "
-            f"--photos ../shared/data/sketchy-mini --out {missing}") in err
+    assert ("python -m training.cdk --data DATA --split none --out runs/cdk && python -m "
+            f"index.build --model runs/cdk/model --photos PHOTOS --out {missing}") in err
 
 
 def test_python_m_service_starts_and_serves(real_index, small_sketches):

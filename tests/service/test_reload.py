@@ -1,5 +1,5 @@
 """Hot index reload: a new version is served without a restart, the old one closed when its
-last request ends; a bad version or one of another checkpoint is refused with the reason
+last request ends; a bad version or one of another model is refused with the reason
 while the old one serves on. The target runs `index.add` under load on a real server."""
 
 import asyncio
@@ -21,7 +21,7 @@ from service.galleries import GalleryHolder
 from service.main import create_app
 from service.retrieval import RetrievalEngine
 from tests.conftest import REPO
-from tests.fakes import FakeEmbedder, make_gallery
+from tests.fakes import FakeModel, make_gallery
 from tests.service.conftest import service_process, sketch_png
 from tests.service.test_metrics import samples
 
@@ -45,8 +45,8 @@ def test_a_retired_gallery_closes_when_its_last_lease_ends(fake_index):
 def own_index(tmp_path):
     """An index of its own (tests below write new versions) and its engine's app."""
     photos = make_gallery(tmp_path / "photos", classes=2, per_class=3)
-    embedder = FakeEmbedder(L=8)
-    build_index(embedder, photos, tmp_path / "index", tmp_path / "ckpt.pt", progress=False)
+    embedder = FakeModel(L=8)
+    build_index(embedder, photos, tmp_path / "index", progress=False)
     return tmp_path, embedder
 
 
@@ -68,8 +68,7 @@ def test_admin_reload_serves_a_new_version_and_info_shows_it(own_index, settings
         assert before["index_version"] == current_version(folder / "index").name
         assert service.reload() == {"version": before["index_version"], "changed": False}
         make_gallery(folder / "photos", classes=3, per_class=3)  # a third class
-        build_index(embedder, folder / "photos", folder / "index", folder / "ckpt.pt",
-                    progress=False)
+        build_index(embedder, folder / "photos", folder / "index", progress=False)
         new = current_version(folder / "index").name
         assert service.reload() == {"version": new, "changed": True}
         info = service.info()
@@ -80,20 +79,20 @@ def test_admin_reload_serves_a_new_version_and_info_shows_it(own_index, settings
         assert got[("sketchsvd_index_versions_open", ())] == 1
 
 
-def test_a_version_of_another_checkpoint_is_refused_and_the_old_one_serves(own_index, settings,
+def test_a_version_of_another_model_is_refused_and_the_old_one_serves(own_index, settings,
                                                                           caplog):
     folder, embedder = own_index
     with TestClient(app_of(settings, folder, embedder)) as http:
         service = Client(http=http)
         served = service.info()["index_version"]
-        other = FakeEmbedder(L=8, seed=5)
-        build_index(other, folder / "photos", folder / "index", folder / "other.pt",
-                    progress=False)
+        other = FakeModel(L=8, seed=5)
+        build_index(other, folder / "photos", folder / "index", progress=False)
         refused = current_version(folder / "index").name
         with caplog.at_level(logging.WARNING, logger="service.reload"):
             with pytest.raises(ServiceError) as err:
                 service.reload()
-        assert err.value.status == 409 and "was built from checkpoint sha256" in err.value.detail
+        assert err.value.status == 409
+        assert "was built with the model bundle of sha256" in err.value.detail
         assert f"still serving version {served}" in err.value.detail
         (line,) = [r.getMessage() for r in caplog.records if r.name == "service.reload"]
         assert line.startswith(f"refusing index version {refused}: IndexMismatchError")
@@ -107,8 +106,7 @@ def test_a_damaged_version_is_refused_naming_the_reason(own_index, settings, cap
     app = app_of(settings, folder, embedder)
     with TestClient(app) as http:
         served = app.state.engine.galleries.current()[1]
-        build_index(embedder, folder / "photos", folder / "index", folder / "ckpt.pt",
-                    progress=False)
+        build_index(embedder, folder / "photos", folder / "index", progress=False)
         version = current_version(folder / "index")
         side = json.loads((version / SIDECAR_FILE).read_text())
         (version / SIDECAR_FILE).write_text(json.dumps({**side, "count": 99}))
@@ -166,17 +164,16 @@ def watch_pointer(path, changed: list[float], stop: threading.Event) -> None:
 
 
 def test_index_add_under_load_is_served_within_2s_without_a_failed_request(
-        tmp_path, real_embedder, real_checkpoint, small_gallery, small_sketches, sketchy_mini):
+        tmp_path, real_bundle, small_gallery, small_sketches, sketchy_mini):
     photos, index = tmp_path / "photos", tmp_path / "index"
     shutil.copytree(small_gallery, photos)
-    build_index(real_embedder, photos, index, real_checkpoint, progress=False)
+    build_index(real_bundle, photos, index, progress=False)
     added = photos / "zz_added"  # below the photo root, as index.add requires
     added.mkdir()
     for f in sorted((sketchy_mini / "photo" / "zebra").iterdir())[:25]:
         for copy in range(4):  # 100 photos
             shutil.copyfile(f, added / f"{f.stem}_added{copy}{f.suffix}")
-    # PyTorch encodes (no ONNX export at start): what is tested is the index swap.
-    with service_process(index, "--max-k", "200", "--encoder", "torch") as (url, proc):
+    with service_process(index, "--max-k", "200") as (url, proc):
         with Client(url) as service:
             assert service.info()["gallery_size"] == 15
         load = Load(url, small_sketches, "zz_added")
@@ -188,7 +185,7 @@ def test_index_add_under_load_is_served_within_2s_without_a_failed_request(
             rss_before = rss_bytes(proc.pid)
             watcher.start()
             subprocess.run([sys.executable, "-m", "index.add", "--index", str(index),
-                            "--photos", str(photos), "--checkpoint", str(real_checkpoint),
+                            "--photos", str(photos),
                             "--workers", "0", "--progress", "false", "--feature-cache", "none"],
                            cwd=REPO, check=True, capture_output=True, timeout=600)
             deadline = time.monotonic() + 30
@@ -213,3 +210,20 @@ def test_index_add_under_load_is_served_within_2s_without_a_failed_request(
     assert info["gallery_size"] == 115 and info["index_version"] == current_version(index).name
     assert got[("sketchsvd_index_versions_open", ())] == 1  # the old one closed
     assert abs(rss_after - rss_before) <= 50 * 2**20
+
+
+def test_a_version_naming_another_photo_folder_is_refused_while_serving(own_index, settings):
+    """The photo folder is fixed at start: a new version whose sidecar names another root
+    (say "/", to serve the process's environment as a "photo") is refused, the old one
+    keeps serving, and its files are never read from the other root."""
+    folder, model = own_index
+    with TestClient(app_of(settings, folder, model)) as http:
+        service = Client(http=http)
+        served = service.info()["index_version"]
+        other = make_gallery(folder / "other", classes=2, per_class=3, seed=4)
+        build_index(model, other, folder / "index", progress=False)  # root: other/
+        with pytest.raises(ServiceError) as err:
+            service.reload()
+        assert err.value.status == 409 and "names the photo folder" in err.value.detail
+        assert service.info()["index_version"] == served
+        assert http.get("/photos/c0_0_000").status_code == 200  # from the first folder

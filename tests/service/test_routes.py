@@ -1,6 +1,7 @@
-"""Every route through TestClient, with the fake embedder behind the real index code."""
+"""Every route through TestClient, with the fake model behind the real index code."""
 
 import io
+import json
 import logging
 import struct
 import zlib
@@ -24,7 +25,7 @@ def post(client, data: bytes, name="s.png", **params):
 
 def expected_ranking(engine, png: bytes, d: int):
     """Brute force: the sketch embedding's d-prefix against every stored photo vector."""
-    q = engine.embedder.embed([Image.open(io.BytesIO(png)).convert("RGB")], "sketch")[0, :d]
+    q = engine.model.embed([Image.open(io.BytesIO(png)).convert("RGB")], "sketch")[0, :d]
     photos = engine.gallery.index.reconstruct_n(0, len(engine.gallery))[:, :d]
     scores = photos @ q
     order = np.argsort(-scores, kind="stable")
@@ -59,8 +60,8 @@ def test_info(client, engine):
     assert info["index_kind"] == "flat" and info["metric"] == "inner_product"
     assert info["index_version"] == engine.galleries.current()[1] is not None
     assert "L" not in info
-    assert info["checkpoint_sha256"] == engine.embedder.checkpoint_sha256
-    assert info["limits"]["max_k"] == 20 and info["model"].endswith("ckpt.pt")
+    assert info["model_sha256"] == engine.model.sha256
+    assert info["limits"]["max_k"] == 20 and info["model"] == "fake-model"
     assert info["query_expansion"] == {}  # the fixture's engine does not expand
 
 
@@ -76,7 +77,7 @@ def test_retrieve_matches_brute_force(client, engine, d):
     np.testing.assert_allclose([h["score"] for h in body["results"]], scores[:7], rtol=1e-5,
                                atol=1e-6)
     for h in body["results"]:
-        assert set(h) == {"id", "class", "score", "url"}
+        assert set(h) == {"id", "class", "score", "url", "path"}
         assert h["url"] == f"/photos/{h['id']}" and h["class"].startswith("class")
     assert [h["score"] for h in body["results"]] == sorted(
         (h["score"] for h in body["results"]), reverse=True)
@@ -86,13 +87,13 @@ def test_retrieve_matches_brute_force(client, engine, d):
 def test_expanded_queries_match_brute_force(settings, engine, d):
     """With query expansion the answer is brute force for the query moved toward the mean of
     its 3 best photos' d-prefixes; /info says so."""
-    expanding = RetrievalEngine(engine.embedder, engine.gallery, settings.max_pixels,
+    expanding = RetrievalEngine(engine.model, engine.gallery, settings.max_pixels,
                                 expansion=Expansion(n=3, weight=0.5))
     app = create_app(settings, loader=lambda s: None)
     app.dependency_overrides[get_engine] = lambda: expanding
     client = TestClient(app)
     png = sketch_png(seed=10 + d)
-    q = engine.embedder.embed([Image.open(io.BytesIO(png)).convert("RGB")], "sketch")[0, :d]
+    q = engine.model.embed([Image.open(io.BytesIO(png)).convert("RGB")], "sketch")[0, :d]
     photos = engine.gallery.index.reconstruct_n(0, len(engine.gallery))[:, :d]
     best = np.argsort(-(photos @ q), kind="stable")[:3]
     scores = photos @ (q + 0.5 * photos[best].mean(0))
@@ -322,13 +323,13 @@ def own_gallery(tmp_path, settings):
     from index.build import build_index
     from index.store import load_index
     from service.retrieval import RetrievalEngine
-    from tests.fakes import FakeEmbedder, make_gallery
+    from tests.fakes import FakeModel, make_gallery
 
     photos = make_gallery(tmp_path / "photos", classes=2, per_class=2)
     secret = tmp_path / "secret.jpg"
     Image.new("RGB", (16, 16), "red").save(secret)
-    embedder = FakeEmbedder(L=8)
-    build_index(embedder, photos, tmp_path / "index", "ckpt.pt", progress=False)
+    embedder = FakeModel(L=8)
+    build_index(embedder, photos, tmp_path / "index", progress=False)
     engine = RetrievalEngine(embedder, load_index(tmp_path / "index"), settings.max_pixels)
     with TestClient(create_app(settings, loader=lambda s: engine)) as client:
         yield client, photos, secret
@@ -404,16 +405,16 @@ def test_a_table_row_whose_path_leaves_the_root_is_not_served(tmp_path, settings
     root loads; that photo is refused when asked for, the others are served."""
     import index.table as table_mod
     from index.build import build_index
-    from index.store import current_version, load_index
+    from index.store import SIDECAR_FILE, _digests, current_version, load_index
     from index.table import TABLE_FILES, PhotoTable, write_table
     from service.retrieval import RetrievalEngine
-    from tests.fakes import FakeEmbedder, make_gallery
+    from tests.fakes import FakeModel, make_gallery
 
     photos = make_gallery(tmp_path / "photos", classes=2, per_class=2)
     secret = tmp_path / "secret.jpg"
     Image.new("RGB", (16, 16), "red").save(secret)
-    embedder = FakeEmbedder(L=8)
-    build_index(embedder, photos, tmp_path / "index", "ckpt.pt", progress=False)
+    embedder = FakeModel(L=8)
+    build_index(embedder, photos, tmp_path / "index", progress=False)
     version = current_version(tmp_path / "index")
     rows = list(PhotoTable.open(version))
     rows[1] = type(rows[1])(rows[1].id, rows[1].cls, "../secret.jpg")
@@ -422,6 +423,8 @@ def test_a_table_row_whose_path_leaves_the_root_is_not_served(tmp_path, settings
     monkeypatch.setattr(table_mod, "leaves_root", lambda path: False)  # other code's writer
     write_table(version, rows)
     monkeypatch.undo()
+    sidecar = json.loads((version / SIDECAR_FILE).read_text())  # a version it wrote whole
+    (version / SIDECAR_FILE).write_text(json.dumps({**sidecar, "files": _digests(version)}))
     engine = RetrievalEngine(embedder, load_index(tmp_path / "index"), settings.max_pixels)
     with TestClient(create_app(settings, loader=lambda s: engine)) as client:
         r = client.get(f"/photos/{rows[1].id}")

@@ -50,7 +50,9 @@ def _main(argv: list[str]) -> int:
               f"{sv['map_all']:.4f}  P@{m['k']} {sv['precision_at_k']:.4f}" + (
                   "" if m["valid"] is None else
                   f"; validation mAP@all {m['valid']['service']['map_all']:.4f}"))
-        print(f"wrote {cfg.out}/checkpoint.pt and {cfg.out}/metrics.json")
+        print(f"wrote {cfg.out}/checkpoint.pt, {cfg.out}/metrics.json and the model bundle "
+              f"{cfg.out}/model; index photos with it: python -m index.build --model "
+              f"{cfg.out}/model --photos PHOTOS --out runs/index")
     return 0
 
 

@@ -31,7 +31,7 @@ NESTING_WEIGHTS = ("uniform", "harmonic")
 # Fields that do not change what is trained: a run may be resumed with other values.
 RUNTIME_FIELDS = ("out", "threads", "cache_dir", "k", "gallery_queries", "gallery_topk",
                   "workers", "smooth_k", "smooth_weight", "smooth_rounds", "expand_n",
-                  "expand_weight")
+                  "expand_weight", "int8")
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,10 @@ class Config:
 
     # -- the run
     cache_dir: str = ".cache/cdk-features"  # backbone features (and trunk activations)
-    out: str = "runs/cdk"
+    out: str = "runs/cdk"  # checkpoint.pt, metrics.json, plots, and the model bundle model/
+    # the model bundle also holds int8 encoders, calibrated on training-class images and
+    # checked on the validation classes (training.cdk.make_bundle); false: float32 only
+    int8: bool = True
     threads: int = 0  # torch CPU threads; 0 keeps torch's default
     gallery_queries: int = 6  # gallery.png: query rows
     gallery_topk: int = 8  # gallery.png: photos per row
@@ -355,7 +358,8 @@ def to_dict(cfg: Config) -> dict:
 ADDED_LATER = {"instance_share": 0.0,  # the class kernel alone
                "raw_whiten": 0.0,  # plain PCA
                "sketch_image_size": 0,  # image_size
-               "expand_n": Config.expand_n, "expand_weight": Config.expand_weight}
+               "expand_n": Config.expand_n, "expand_weight": Config.expand_weight,
+               "int8": Config.int8}
 
 
 def from_dict(d: dict, source: str = "config") -> Config:

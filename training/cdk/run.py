@@ -1,10 +1,12 @@
 """The ``python -m training.cdk`` pipeline: data -> cached features -> training ->
-evaluation on the validation and the zero-shot test classes -> checkpoint.pt, metrics.json
-and plots."""
+evaluation on the validation and the zero-shot test classes -> checkpoint.pt, metrics.json,
+plots, and the model bundle (model/: what index.build and the service read,
+training.cdk.make_bundle)."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -21,7 +23,9 @@ from training.folders import DataError
 from . import distributed
 from .config import Config, expansion, fit_warnings, input_size, smoothing, to_dict
 from .data import Dataset, scan
+from .estimate import estimate_run
 from .features import extract_features
+from .make_bundle import References, make_bundle
 from .metrics import (
     cosine_scores_metrics,
     orthogonality_stats,
@@ -34,6 +38,7 @@ from .metrics import (
     structure_curves,
 )
 from .model.backbones import Backbone, build_backbone, with_flip_average
+from .model.bundle import Bundle, BundleError
 from .model.heads import embedding
 from .model.smoothing import expand_exact
 from .plots import plot_gallery, plot_spectrum, plot_structure
@@ -50,7 +55,8 @@ def run(cfg: Config, say: Callable[[str], None] = log.info) -> dict:
     """Train and evaluate per ``cfg``; returns the metrics written to out/metrics.json
     (an empty dict on the ranks other than 0 of a multi-process run). Before the first
     step: a warning when the preset does not fit the data's size, OUT/config.json, and
-    the run's estimated time through ``say``."""
+    the run's estimated time through ``say`` (before the first image is read, then again
+    before the first step)."""
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     device = distributed.init_from_env()
@@ -65,6 +71,9 @@ def run(cfg: Config, say: Callable[[str], None] = log.info) -> dict:
                         cfg.pooling)
     # one trunk; the sketches are mirror-averaged only with sketch_flip_average
     bbs = {"sketch": with_flip_average(bb, cfg.sketch_flip_average), "photo": bb}
+    if not cfg.finetune and distributed.rank_and_world()[0] == 0:
+        say(estimate_run(cfg, bbs, tr, [d for d in (va, te) if d.classes], photo_of, va,
+                         device).text())
     t0 = time.perf_counter()
     # rank 0 fills the feature cache, the other ranks then read it
     tr_s, tr_p = distributed.main_first(
@@ -84,7 +93,25 @@ def run(cfg: Config, say: Callable[[str], None] = log.info) -> dict:
     metrics = _evaluate_and_write(cfg, bbs, res, split, va, te, tr_s, tr_p, device,
                                   train_seconds)
     distributed.shutdown()
+    write_bundle(cfg, out, lambda: valid_references(cfg, bbs, res, va, device), say)
     return metrics
+
+
+def write_bundle(cfg: Config, out: Path, references: Callable[[], References | None],
+                 say: Callable[[str], None]) -> None:
+    """The model bundle of the run's checkpoint at out/model, unless the one there already
+    is (a finished run found again: its bundle, and the indexes built with it, stay valid)."""
+    checkpoint = out / "checkpoint.pt"
+    try:
+        current = Bundle.open(out / "model")
+    except (FileNotFoundError, BundleError):
+        current = None
+    if current is not None and current.training.get("checkpoint_sha256") == \
+            hashlib.sha256(checkpoint.read_bytes()).hexdigest():
+        say(f"model bundle {current.describe()} is this checkpoint's: kept")
+        return
+    make_bundle(checkpoint, out / "model", references=references() if cfg.int8 else None,
+                threads=cfg.threads or 2, say=say, int8=cfg.int8)
 
 
 def _evaluation_features_first(cfg: Config, bbs: dict, sets: dict[str, Dataset],
@@ -306,6 +333,19 @@ def evaluate_valid(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, va: 
         "classes": list(va.classes),
         "counts": {"sketches": len(va.sketches), "photos": len(va.photos)},
     }
+
+
+def valid_references(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, va: Dataset,
+                     device) -> References | None:
+    """The validation classes embedded as evaluation embeds them (float32, PyTorch): the
+    int8 parity's reference when the bundle is written (None: no validation classes)."""
+    if not va.classes:
+        return None
+    fn, gn, x_s, x_p = embed_dataset(cfg, bbs, res, va, "valid", device)
+    f, g = retrieval_embeddings(cfg, res, fn, gn, x_s, x_p)
+    return References({"sketch": list(va.sketches), "photo": list(va.photos)},
+                      {"sketch": va.sketch_labels, "photo": va.photo_labels},
+                      {"sketch": f.numpy(), "photo": g.numpy()})
 
 
 def _train_orthogonality(res: TrainResult, tr_s, tr_p, device) -> dict:

@@ -27,6 +27,7 @@ from torch import nn
 from training.device import pick_device
 
 from ..loss import cdk_loss, nesting_masks
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import NESTING_OF, RUNTIME_FIELDS, Config, nesting_weights, to_dict
 from .data import PairSampler, Sampler
 from .distributed import barrier, gather_rows, rank_and_world
@@ -34,12 +35,11 @@ from .finetune import Split, validate_images
 from .inputs import FeatureInputs, ImageInputs, PairModel, set_train_mode
 from .metrics import spectrum_order
 from .model.backbones import Backbone
-from .model.checkpoint import load_checkpoint, save_checkpoint
 from .model.heads import MODALITIES, Head, RawProjection, fit_raw_projections
 from .spectrum import sort_modes, spectrum
 
 __all__ = ["TrainData", "TrainResult", "InputDropout", "Step", "build_model",
-           "make_optimiser", "train"]
+           "make_optimiser", "measure_training", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,29 @@ def _measure(model: PairModel, masks, inputs, batches, grad_clip: float,
     t0 = time.perf_counter()
     spectrum(probe, sampler, inputs, seed)
     return times[-1], time.perf_counter() - t0
+
+
+def measure_training(cfg: Config, data: TrainData, backbone: Backbone, device=None
+                     ) -> tuple[int, float, int, float]:
+    """(steps, seconds a step takes, epochs, seconds a spectrum pass takes) of a whole run of
+    ``cfg`` on frozen features like ``data``'s, timed on a fresh model: only the features'
+    shapes and the labels matter, so random features estimate a run before any image is
+    read. The global RNG is seeded as train() seeds it again."""
+    device = pick_device(device)
+    torch.manual_seed(cfg.seed)
+    model = build_model(data, backbone, cfg.hidden, cfg.modes, cfg.mu, False, 0).to(device)
+    sampler = PairSampler(data.sketch_labels, data.photo_labels, cfg.pairing, data.photo_of,
+                          cfg.instance_share)
+    masks = nesting_masks(cfg.modes, NESTING_OF[cfg.method], nesting_weights(cfg),
+                          constant_mode=True)
+    inputs = FeatureInputs({"sketch": data.sketch_feats.to(device),
+                            "photo": data.photo_feats.to(device)}, model)
+    B = min(cfg.batch_size, len(data.sketch_labels))
+    dropout = InputDropout(cfg.input_dropout, backbone.feature_dim, B, slice(0, B), device)
+    batches = list(sampler.epoch(cfg.seed, 0, cfg.batch_size))
+    t_step, t_spectrum = _measure(model, masks, inputs, batches, cfg.grad_clip, dropout, 1, 0,
+                                  sampler, cfg.seed)
+    return len(batches) * cfg.epochs, t_step, cfg.epochs, t_spectrum
 
 
 def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path, device=None,

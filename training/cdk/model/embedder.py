@@ -1,9 +1,10 @@
-"""Embed sketches and photos with a trained CDK checkpoint.
+"""Embed sketches and photos with a model bundle's PyTorch modules (``Bundle.embedder``):
+the GPU path, the heads over cached backbone features, and the source of the exported graphs.
 
 Retrieval score convention (used by training.cdk.metrics, the index and the service):
 score(x, y; d) = <f_{1:d}(x), g_{1:d}(y)>, the plain inner product of the d-prefixes of the
-sketch embedding f and the photo embedding g. With the checkpoint's ``unit_embeddings``
-(the cpu preset's default) the heads' outputs are scaled to unit length over all modes
+sketch embedding f and the photo embedding g. With ``unit_embeddings`` (the cpu preset's
+default) the heads' outputs are scaled to unit length over all modes
 (model.retrieval_embedding), else used as they are; the raw coordinates (if any) follow
 them. A query zero-padded past d in a flat inner-product index therefore gives exactly the
 d-prefix search.
@@ -14,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,9 +23,7 @@ from PIL import Image
 from training.device import pick_device
 from training.images import images_to_tensor
 
-from ..config import from_dict
 from .backbones import Backbone, bare_backbone, with_flip_average
-from .checkpoint import read_checkpoint
 from .heads import MODALITIES, Head, RawProjection, embedding
 
 __all__ = ["Embedder"]
@@ -44,87 +42,80 @@ def _check_modality(modality: str) -> None:
 
 
 class Embedder:
-    """Sketch/photo embedder rebuilt from a checkpoint alone.
+    """Sketch/photo embedder in PyTorch, from a bundle's inference block and weights.
 
-    Attributes: backbone (name), singular_values (modes,), config (dict),
-    checkpoint_sha256, device, image_size (the photos' input side), sketch_image_size
-    (the sketches'; ``size_of``), trained, finetuned (the backbones were trained
-    with the heads), pooling (of the backbone's maps: avg or gem), photo_flip_average
-    (photos averaged with their mirror image, as trained), trained_sketch_flip_average
-    (sketches trained so), sketch_flip_average (sketches so averaged as queries are
-    embedded now), unit_embeddings (the modes scaled to unit length), modes (the learned
-    singular functions), raw_dims (raw coordinates after them, model.RawProjection; 0:
-    none) and width = modes + raw_dims, the embeddings' width.
+    Attributes: backbone (name), singular_values (modes,), sha256 (the bundle's), device,
+    image_size (the photos' input side), sketch_image_size (the sketches'; ``size_of``),
+    finetuned (the backbones were trained with the heads), pooling (avg or gem),
+    photo_flip_average, trained_sketch_flip_average (sketches trained averaged with their
+    mirror image), sketch_flip_average (so averaged as queries are embedded now),
+    unit_embeddings, modes (the learned singular functions), raw_dims (raw coordinates
+    after them, model.RawProjection; 0: none) and width = modes + raw_dims. The backbones
+    are built on first use: the heads alone (cached features) need none.
     """
 
-    def __init__(self, ckpt: dict, sha256: str, device=None, source: str = "checkpoint",
-                 sketch_flip_average: bool | None = None):
+    def __init__(self, inference, weights: dict, sha256: str, device=None,
+                 source: str = "model", sketch_flip_average: bool | None = None):
         self.device = pick_device(device)
-        meta = ckpt["backbone"]
-        self.backbone: str = meta["name"]
-        self.image_size: int = int(meta["image_size"])
-        self.sketch_image_size: int = int(meta.get("sketch_image_size") or self.image_size)
-        self._mean, self._std = tuple(meta["mean"]), tuple(meta["std"])
+        inf = inference
+        self.inference = inf
+        self.backbone: str = inf.backbone
+        self.image_size: int = inf.size_of("photo")
+        self.sketch_image_size: int = inf.size_of("sketch")
+        self._mean, self._std = tuple(inf.mean), tuple(inf.std)
         # features averaged with the mirror image's as trained; ``sketch_flip_average``
         # False embeds sketches alone even so (a query costs one backbone pass instead of
         # two, at some accuracy)
-        self.photo_flip_average: bool = bool(meta["photo_flip_average"])
-        self.trained_sketch_flip_average: bool = bool(meta["sketch_flip_average"])
+        self.photo_flip_average: bool = bool(inf.flip_average["photo"])
+        self.trained_sketch_flip_average: bool = bool(inf.flip_average["sketch"])
         self.sketch_flip_average: bool = (
             self.trained_sketch_flip_average if sketch_flip_average is None
             else bool(sketch_flip_average) and self.trained_sketch_flip_average)
-        self.pooling: str = str(meta["pooling"])
-        self.config: dict = dict(ckpt["config"])
-        config = from_dict(self.config, source)
-        self.unit_embeddings: bool = config.unit_embeddings
-        self.checkpoint_sha256: str = sha256
-        self.trained: bool = bool(ckpt["trained"])
-        self.finetuned: bool = bool(meta["finetuned"])
-        self.singular_values: torch.Tensor = ckpt["singular_values"].float().cpu()
-        arch = ckpt["head_arch"]
-        self.modes: int = int(arch["modes"])
+        self.pooling: str = str(inf.pooling)
+        self.unit_embeddings: bool = bool(inf.unit_embeddings)
+        self.sha256: str = sha256
+        self.finetuned: bool = bool(inf.finetuned)
+        self.singular_values: torch.Tensor = torch.tensor(inf.singular_values,
+                                                          dtype=torch.float32)
+        self.modes: int = int(inf.modes)
+        self.source = source
         self._raw: dict[str, RawProjection] | None = None
-        raw = ckpt["raw"]
-        if config.raw_dims and not raw:
-            raise ValueError(f"{source!r} asks for raw coordinates (raw_dims) but holds no "
-                             "projection for them; train it again")
+        raw = weights.get("raw")
+        if inf.raw_dims and not raw:
+            raise ValueError(f"{source!r} asks for {inf.raw_dims} raw coordinates but holds no "
+                             "projection for them")
         if raw:
             self._raw = {m: RawProjection(raw["mean"][m], raw["axes"], float(raw["weight"]))
                          .to(self.device) for m in MODALITIES}
         self.raw_dims: int = 0 if self._raw is None else self._raw["sketch"].dims
+        if self.raw_dims != inf.raw_dims:
+            raise ValueError(f"{source!r}: the inference block says {inf.raw_dims} raw "
+                             f"coordinates, the weights hold {self.raw_dims}")
         self.width: int = self.modes + self.raw_dims
-
+        self._states = weights["backbones"]
         self._backbones: dict[str, Backbone] = {}
-        shared = ckpt["backbones"]["sketch"] is ckpt["backbones"]["photo"]
-        flips = {"sketch": self.sketch_flip_average, "photo": self.photo_flip_average}
-        for mod in MODALITIES:
-            if shared and mod == "photo":  # one trunk, pooled as the photos were trained
-                self._backbones[mod] = with_flip_average(self._backbones["sketch"],
-                                                         flips[mod])
-                continue
-            bb = bare_backbone(self.backbone, flips[mod], self.pooling)
-            _load_weights(bb.module, ckpt["backbones"][mod], f"{source!r} {mod} backbone")
-            self._backbones[mod] = bb
         self._heads: dict[str, Head] = {}
+        head = inf.head
         for mod in MODALITIES:
-            head = Head(int(arch["in_dim"]), int(arch["hidden"]), self.modes,
-                        float(arch["mu"]))
-            _load_weights(head, ckpt["heads"][mod], f"{source!r} {mod} head")
-            self._heads[mod] = head.to(self.device).eval()
-        for bb in {id(b.module): b for b in self._backbones.values()}.values():
-            bb.module.to(self.device).eval()
+            h = Head(int(head["in_dim"]), int(head["hidden"]), self.modes, float(head["mu"]))
+            _load_weights(h, weights["heads"][mod], f"{source!r} {mod} head")
+            self._heads[mod] = h.to(self.device).eval()
 
-    @classmethod
-    def from_checkpoint(cls, path: str | Path, device=None,
-                        sketch_flip_average: bool | None = None) -> Embedder:
-        """Rebuild backbones and heads from ``path``; ValueError if it is not a CDK checkpoint.
-        The hash is of the bytes loaded (one read), not of a second read of the file.
-        ``sketch_flip_average``: None as trained; False: query sketches alone (see the
-        attribute)."""
-        path = Path(path)
-        ckpt, sha256 = read_checkpoint(path)
-        return cls(ckpt, sha256, device, source=str(path),
-                   sketch_flip_average=sketch_flip_average)
+    def _backbone(self, modality: str) -> Backbone:
+        """``modality``'s backbone with its weights, built on first use."""
+        if modality not in self._backbones:
+            shared = self._states["sketch"] is self._states["photo"]
+            flips = {"sketch": self.sketch_flip_average, "photo": self.photo_flip_average}
+            other = "photo" if modality == "sketch" else "sketch"
+            if shared and other in self._backbones:  # one trunk, pooled per modality
+                bb = with_flip_average(self._backbones[other], flips[modality])
+            else:
+                bb = bare_backbone(self.backbone, flips[modality], self.pooling)
+                _load_weights(bb.module, self._states[modality],
+                              f"{self.source!r} {modality} backbone")
+                bb.module.to(self.device).eval()
+            self._backbones[modality] = bb
+        return self._backbones[modality]
 
     def size_of(self, modality: str) -> int:
         """The side ``modality``'s images are resized to (H = W) before the backbone."""
@@ -147,13 +138,13 @@ class Embedder:
         """``modality``'s backbone (name, module, feature_dim) with the normalisation this
         embedder applies, e.g. for training.cdk.features' cache keys."""
         _check_modality(modality)
-        return dataclasses.replace(self._backbones[modality], mean=self._mean, std=self._std)
+        return dataclasses.replace(self._backbone(modality), mean=self._mean, std=self._std)
 
     @torch.no_grad()
     def backbone_features(self, batch: torch.Tensor, modality: str) -> torch.Tensor:
         """(N, 3, H, W) normalised images -> (N, D) pooled backbone features (float32)."""
         _check_modality(modality)
-        module = self._backbones[modality].module
+        module = self._backbone(modality).module
         with torch.autocast(self.device.type, enabled=self.device.type == "cuda"):
             return module(batch.to(self.device)).float()
 
@@ -176,7 +167,7 @@ class Embedder:
         the head returns the learned functions (``head`` also applies ``unit_embeddings``
         and appends ``raw_projection``'s coordinates)."""
         _check_modality(modality)
-        return self._backbones[modality].module, self._heads[modality]
+        return self._backbone(modality).module, self._heads[modality]
 
     def raw_projection(self, modality: str) -> RawProjection | None:
         """`modality`'s raw-coordinate projection (None: the checkpoint has none)."""

@@ -32,12 +32,10 @@ from torch import nn
 
 from training.files import atomic_save
 
-from ..config import make_config, to_dict
-from .backbones import Backbone, build_backbone
-from .heads import MODALITIES, Head, RawProjection
+from .model.backbones import Backbone
+from .model.heads import MODALITIES, Head, RawProjection
 
-__all__ = ["FORMAT", "VERSION", "save_checkpoint", "read_checkpoint", "load_checkpoint",
-           "init_checkpoint"]
+__all__ = ["FORMAT", "VERSION", "save_checkpoint", "read_checkpoint", "load_checkpoint"]
 
 FORMAT = "sketchsvd-cdk"
 VERSION = 2
@@ -159,58 +157,3 @@ def read_checkpoint(path: str | Path, map_location="cpu") -> tuple[dict, str]:
 def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
     """Load and validate a CDK checkpoint dict; ValueError names a file that is not one."""
     return read_checkpoint(path, map_location)[0]
-
-
-def init_checkpoint(
-    path: str | Path,
-    backbone: str = "efficientnet-lite0",
-    modes: int = 16,
-    hidden: int = 64,
-    seed: int = 0,
-    backbone_weights: str | None = None,
-    image_size: int = 224,
-    photo_flip_average: bool = True,
-    pooling: str = "gem",
-    sketch_flip_average: bool | None = None,
-    raw_dims: int | None = None,
-    sketch_image_size: int = 0,
-) -> Path:
-    """Write a complete but untrained checkpoint in seconds: real pretrained backbone
-    weights, randomly initialised heads (seeded), singular values set to ones, and
-    ``trained: False`` (also ``config["untrained"] = True``). For tests of loaders.
-    ``sketch_flip_average`` None: sketches are mirror-averaged as photos are;
-    ``raw_dims`` None: the preset's raw coordinates (a seeded random projection);
-    ``sketch_image_size`` 0: ``image_size``."""
-    if sketch_flip_average is None:
-        sketch_flip_average = photo_flip_average
-    cfg = make_config(
-        "cpu", backbone=backbone, modes=modes, hidden=hidden, seed=seed,
-        backbone_weights=backbone_weights or "", image_size=image_size,
-        sketch_image_size=sketch_image_size, photo_flip_average=photo_flip_average, pooling=pooling,
-        sketch_flip_average=sketch_flip_average,
-        **({} if raw_dims is None else {"raw_dims": raw_dims}),
-    )
-    bb = build_backbone(backbone, backbone_weights, cfg.photo_flip_average, cfg.pooling)
-    gen_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        heads = {m: Head(bb.feature_dim, hidden, modes, cfg.mu) for m in MODALITIES}
-        raw = None
-        if cfg.raw_dims:  # seeded orthonormal axes and random means
-            axes = torch.linalg.qr(torch.randn(bb.feature_dim, cfg.raw_dims))[0]
-            raw = {m: RawProjection(torch.rand(bb.feature_dim), axes, cfg.raw_weight)
-                   for m in MODALITIES}
-    finally:
-        torch.random.set_rng_state(gen_state)
-    return save_checkpoint(
-        path,
-        config={**to_dict(cfg), "untrained": True},
-        backbone=bb,
-        image_size=image_size,
-        backbones={"sketch": bb.module, "photo": bb.module},
-        heads=heads,
-        singular_values=torch.ones(modes),
-        raw=raw,
-        trained=False,
-        epoch=0,
-    )

@@ -6,8 +6,9 @@ x86 kernels with VNNI multiply uint8 by int8 without saturation). Only the backb
 convolutions and the activations and additions between them are quantized; pooling, the head
 and the raw coordinates stay float32 (a few matrix products, not worth their error).
 
-Calibration images are of the checkpoint's training classes only (its config names the data
-and the split); the parity is measured on its validation classes, never on test classes:
+Calibration images are of the model's training classes only; the parity is measured on its
+validation classes, never on test classes, when the model bundle is written
+(training.cdk.make_bundle), where the training data is:
 
   - validation mAP@all of int8 `modality` embeddings against float32 embeddings of the other
     modality within PARITY_MAP_DROP of the float32 mAP, and
@@ -22,8 +23,8 @@ float32 instead changes nothing (0.81). So a graph is quantized with its first K
 convolutions left in float32, K taken in turn from FLOAT_FRONT[modality] until the parity
 holds: 16 for sketches (8 misses on the quick start's model, 0.899), none for photos (they
 hold it fully quantized, 0.92-0.93). The numbers and K are stored in the
-quantized graph's metadata; a graph whose parity fails at every K is kept (so it is not
-measured again at each start) but never served.
+quantized graph's metadata and in the bundle; a graph whose parity fails at every K is kept
+in the bundle, with its evidence, but never served.
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ from PIL import Image
 
 from training.folders import DataError
 
-from ..data import Dataset, scan
-from ..metrics import retrieval_metrics
-from ..splits import split_classes
+from .data import Dataset, scan
+from .metrics import retrieval_metrics
+from .splits import split_classes
 
 __all__ = ["FLOAT_FRONT", "PARITY_MAP_DROP", "PARITY_OVERLAP", "Parity", "ParityCheck",
-           "QuantizationError", "calibration_files", "calibration_sets", "measure_parity",
+           "QuantizationError", "calibration_files", "calibration_sets", "images_of",
            "preprocessed", "quantize_graph", "with_metadata"]
 
 log = logging.getLogger(__name__)
@@ -91,25 +92,33 @@ class Parity:
         return cls(float(meta["parity_map_fp32"]), float(meta["parity_map_int8"]),
                    float(meta["parity_overlap"]), int(meta["parity_queries"]))
 
+    def as_dict(self) -> dict:
+        """What a model bundle records of it (``holds`` included)."""
+        return {"map_fp32": round(self.map_fp32, 6), "map_int8": round(self.map_int8, 6),
+                "overlap": round(self.overlap, 6), "queries": self.queries,
+                "holds": self.holds(), "max_map_drop": PARITY_MAP_DROP,
+                "min_overlap": PARITY_OVERLAP}
 
-def calibration_sets(config: dict, data: str | Path | None = None) -> tuple[Dataset, Dataset]:
-    """(training classes, validation classes) of the data the checkpoint was trained on
-    (`data` overrides the folder its config names, e.g. where a container mounts it)."""
-    where = "the argument" if data else "the checkpoint config"
-    root = data or config.get("data") or None
-    if root is None or not Path(root).is_dir():
-        raise QuantizationError(f"calibrating int8 needs the training data; {root!r} (from "
-                                f"{where}) is not a folder")
+
+def calibration_sets(root: str | Path | None, split: str) -> tuple[Dataset, Dataset]:
+    """(training classes, validation classes) of the training data at ``root`` under the
+    class split ``split`` (training.cdk.splits); QuantizationError when there is no such
+    folder or no validation class to measure parity on."""
+    if not root or not Path(root).is_dir():
+        raise QuantizationError(f"calibrating int8 needs the training data; {str(root)!r} is "
+                                "not a folder")
     try:
         dataset = scan(root)
     except DataError as err:
-        raise QuantizationError(f"calibrating int8 needs the training data ({where}): "
-                                f"{err}") from err
-    split = split_classes(str(config.get("split", "sketchy2")), list(dataset.classes))
-    if not split["valid"]:
-        raise QuantizationError(f"split {config.get('split')!r} of {str(root)!r} has no "
-                                "validation classes to measure int8 parity on")
-    return dataset.restrict(split["train"]), dataset.restrict(split["valid"])
+        raise QuantizationError(f"calibrating int8 needs the training data: {err}") from err
+    try:
+        parts = split_classes(str(split), list(dataset.classes))
+    except ValueError as err:
+        raise QuantizationError(f"calibrating int8 needs the training data: {err}") from err
+    if not parts["valid"]:
+        raise QuantizationError(f"split {split!r} of {str(root)!r} has no validation classes "
+                                "to measure int8 parity on")
+    return dataset.restrict(parts["train"]), dataset.restrict(parts["valid"])
 
 
 def _files(dataset: Dataset, modality: str) -> tuple[tuple[Path, ...], np.ndarray]:
@@ -128,10 +137,11 @@ def images_of(files, size: int = 16) -> Iterator[list[Image.Image]]:
         yield images
 
 
-def preprocessed(embedder, files, modality: str) -> Iterator[np.ndarray]:
-    """(N, 3, S, S) float32 batches of the image files as `embedder` preprocesses them."""
+def preprocessed(preprocess: Callable, files, modality: str) -> Iterator[np.ndarray]:
+    """(N, 3, S, S) float32 batches of the image files, as ``preprocess(images, modality)``
+    (a Bundle's or an Embedder's) makes them."""
     for images in images_of(files):
-        yield embedder.preprocess(images, modality).cpu().numpy()
+        yield np.asarray(preprocess(images, modality).cpu(), dtype=np.float32)
 
 
 def quantize_graph(fp32: bytes, calibration: Iterator[np.ndarray], input_name: str,
@@ -192,27 +202,21 @@ def calibration_files(train: Dataset, modality: str, n: int = CALIBRATION_IMAGES
 
 
 class ParityCheck:
-    """The float32 side of a parity measurement of `modality` on the validation classes, made
-    once: the other modality embedded by `embedder` (PyTorch, float32), this modality by the
-    float32 graph `fp32`, and float32's mAP and top-10 lists. Calling it with an int8 graph
-    gives that graph's Parity (so several int8 candidates cost one float32 pass)."""
+    """The float32 side of a parity measurement of ``modality`` on the validation classes:
+    ``ours`` (N, width), float32 embeddings of this modality's validation ``files`` (in
+    order), ``theirs`` (M, width) those of the other modality, and their labels. Made once;
+    calling it with an int8 graph embeds ``files`` with it (``preprocess`` as served) and
+    gives that graph's Parity, so several int8 candidates cost one float32 pass."""
 
-    def __init__(self, embedder, valid: Dataset, modality: str, fp32: Encode):
-        other = "photo" if modality == "sketch" else "sketch"
-        self.embedder, self.modality = embedder, modality
-        self.files, own_labels = _files(valid, modality)
-        other_files, other_labels = _files(valid, other)
-        self.theirs = np.concatenate([embedder.embed(images, other)
-                                      for images in images_of(other_files)])
+    def __init__(self, modality: str, files, ours: np.ndarray, theirs: np.ndarray,
+                 own_labels: np.ndarray, other_labels: np.ndarray, preprocess: Callable):
+        self.modality, self.files, self.preprocess = modality, list(files), preprocess
+        self.theirs = np.asarray(theirs, dtype=np.float32)
         # queries are sketches, the gallery photos
         self.q_labels, self.g_labels = ((own_labels, other_labels) if modality == "sketch"
                                         else (other_labels, own_labels))
         self.top = min(TOP, len(self.g_labels))
-        self.map_fp32, self.tops_fp32 = self._retrieval(self._encode(fp32))
-
-    def _encode(self, encode: Encode) -> np.ndarray:
-        return np.concatenate([encode(b) for b in
-                               preprocessed(self.embedder, self.files, self.modality)])
+        self.map_fp32, self.tops_fp32 = self._retrieval(np.asarray(ours, dtype=np.float32))
 
     def _retrieval(self, ours: np.ndarray) -> tuple[float, np.ndarray]:
         f, g = (ours, self.theirs) if self.modality == "sketch" else (self.theirs, ours)
@@ -220,18 +224,12 @@ class ParityCheck:
         return m, np.argsort(-(f @ g.T), axis=1, kind="stable")[:, : self.top]
 
     def __call__(self, int8: Encode) -> Parity:
-        map_int8, tops = self._retrieval(self._encode(int8))
+        ours = np.concatenate([int8(b) for b in
+                               preprocessed(self.preprocess, self.files, self.modality)])
+        map_int8, tops = self._retrieval(ours)
         overlap = np.mean([len(set(a) & set(b)) / self.top
                            for a, b in zip(self.tops_fp32, tops, strict=True)])
         return Parity(self.map_fp32, map_int8, float(overlap), len(self.q_labels))
-
-
-def measure_parity(embedder, valid: Dataset, modality: str, fp32: Encode, int8: Encode
-                   ) -> Parity:
-    """Parity of the int8 graph against the float32 graph of `modality` (both (N, 3, S, S)
-    -> (N, width)) on the validation classes; the other modality is embedded by `embedder`
-    (PyTorch, float32)."""
-    return ParityCheck(embedder, valid, modality, fp32)(int8)
 
 
 def with_metadata(proto, meta: dict[str, str]) -> bytes:
