@@ -204,7 +204,7 @@ class _Writer:
             f"({time.perf_counter() - t0:.0f} s)")
 
 
-def _references(writer: _Writer, valid, threads: int) -> References:
+def _references(writer: _Writer, valid) -> References:
     """The validation classes embedded by the float32 graphs (when training gave none)."""
     from .quantize import preprocessed
 
@@ -258,7 +258,7 @@ def make_bundle(checkpoint: str | Path, out: str | Path, data: str | Path | None
         if not int8:
             raise QuantizationError("not asked for (--int8 false)")
         train, valid = calibration_sets(data or cfg.data, cfg.split)
-        refs = references or _references(writer, valid, threads)
+        refs = references or _references(writer, valid)
         for name in embedders:
             writer.quantize(name, train, refs, say)
     except QuantizationError as err:
