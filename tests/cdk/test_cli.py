@@ -127,6 +127,21 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
         fq = expand_exact(torch.as_tensor(f), gs, Expansion())
         r = retrieval_metrics(fq, gs, te.sketch_labels, te.photo_labels, 2)
         assert r["map_all"] == pytest.approx(want["service"]["map_all"], abs=1e-6)
+        # generalized: the same sketches against every photo of the training classes and of
+        # theirs (the validation classes' without the test photos), as the service answers
+        whole = scan(root).restrict([c for c in CLASSES if c not in TEST or classes == TEST])
+        ga = e.embed([load_image(p) for p in whole.photos], "photo")
+        seen = ~np.isin(np.array(whole.classes)[whole.photo_labels], TEST + VALID)
+        q = np.array([whole.classes.index(te.classes[i]) for i in te.sketch_labels])
+        gas = smooth(torch.as_tensor(ga), Smoothing())
+        fa = expand_exact(torch.as_tensor(f), gas, Expansion())
+        r = retrieval_metrics(fa, gas, q, whole.photo_labels, 2, seen=seen)
+        gen = want["generalized"]
+        assert (gen["gallery"], gen["seen_photos"]) == (len(whole.photos), 9)
+        for key in ("map_all", "precision_at_k", "seen_at_k"):
+            assert r[key] == pytest.approx(gen["service"][key], abs=1e-6)
+        r = retrieval_metrics(f, ga, q, whole.photo_labels, 2, seen=seen)
+        assert r["map_all"] == pytest.approx(gen["map_all"], abs=1e-6)
     np.testing.assert_allclose(e.singular_values.numpy(), m["singular_values"], rtol=1e-6)
 
     # Running again finds the finished run: no retraining, same numbers.
