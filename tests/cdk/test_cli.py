@@ -109,6 +109,11 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
     assert ck["backbone"]["photo_flip_average"] and not ck["backbone"]["sketch_flip_average"]
     e = Embedder.from_checkpoint(out / "checkpoint.pt", device="cpu")
     assert e.photo_flip_average and not e.sketch_flip_average
+    # the training sketches the hubness correction scores photos against: all 3 of them
+    hub = torch.load(out / "hubness_sample.pt", weights_only=True)
+    train_sketches = scan(root).restrict([c for c in CLASSES if c not in TEST + VALID])
+    torch.testing.assert_close(hub["embeddings"], torch.as_tensor(e.embed(
+        [load_image(p) for p in train_sketches.sketches], "sketch")), rtol=1e-4, atol=1e-5)
     for classes, want in ((TEST, m), (VALID, v)):  # test numbers top level, valid in "valid"
         te = scan(root).restrict(list(classes))
         f = e.embed([load_image(p) for p in te.sketches], "sketch")
@@ -142,6 +147,19 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
             assert r[key] == pytest.approx(gen["service"][key], abs=1e-6)
         r = retrieval_metrics(f, ga, q, whole.photo_labels, 2, seen=seen)
         assert r["map_all"] == pytest.approx(gen["map_all"], abs=1e-6)
+        # the hubness correction: each stored photo less its score against the training
+        # sketches written beside the model, one more coordinate of photos and queries
+        for gallery, lab, block, see in ((gs, te.photo_labels, want["corrected"], None),
+                                         (gas, whole.photo_labels, gen["corrected"], seen)):
+            pen = hub["weight"] * (gallery @ hub["embeddings"].T).topk(
+                min(hub["k"], len(hub["embeddings"])), dim=1).values.mean(1)
+            fq = torch.cat([torch.as_tensor(f), torch.ones(len(f), 1)], 1)
+            gq = torch.cat([gallery, -pen[:, None]], 1)
+            r = retrieval_metrics(expand_exact(fq, gq, Expansion()), gq,
+                                  te.sketch_labels if see is None else q, lab, 2, seen=see)
+            assert r["map_all"] == pytest.approx(block["map_all"], abs=1e-6)
+            if see is not None:
+                assert r["seen_at_k"] == pytest.approx(block["seen_at_k"], abs=1e-6)
     np.testing.assert_allclose(e.singular_values.numpy(), m["singular_values"], rtol=1e-6)
 
     # Running again finds the finished run: no retraining, same numbers.

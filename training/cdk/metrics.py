@@ -10,11 +10,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .model.hubness import Hubness, photo_penalty, with_penalty
 from .model.smoothing import Expansion, Smoothing, expand_exact, smooth
 
 __all__ = ["spectrum_order", "heldout_order", "retrieval_metrics", "structure_curves",
            "orthogonality_stats", "power_of_two_dims", "cosine_scores_metrics", "pca_curves",
-           "service_metrics", "smoothed_metrics", "stored_gallery", "generalized_metrics"]
+           "service_metrics", "smoothed_metrics", "stored_gallery", "generalized_metrics",
+           "corrected_metrics"]
 
 
 def spectrum_order(sv, top: int = 32) -> dict:
@@ -156,6 +158,21 @@ def service_metrics(f, g, q_labels, g_labels, k: int, smoothing: Smoothing,
             **_by_prefix(f, gallery, q_labels, g_labels, k, expansion)}
 
 
+def corrected_metrics(f, g, q_labels, g_labels, k: int, smoothing: Smoothing,
+                      expansion: Expansion, hubness: Hubness, sample: torch.Tensor,
+                      gallery: torch.Tensor | None = None, seen=None) -> dict:
+    """As service_metrics' full-width numbers, with the hubness correction
+    (model.hubness): each stored photo (g smoothed, or ``gallery``) penalised by its
+    scores against the sketches of ``sample`` (S, width), the penalty one more coordinate
+    the queries (expanded as the service expands them) read. {"hubness", "map_all",
+    "precision_at_k", "k"} (and "seen_at_k" with ``seen``)."""
+    gallery = stored_gallery(g, smoothing) if gallery is None else gallery
+    fq, gq = with_penalty(f, gallery, photo_penalty(gallery, sample, hubness))
+    return {"hubness": hubness.as_dict(),
+            **retrieval_metrics(expand_exact(fq, gq, expansion), gq, q_labels, g_labels, k,
+                                seen=seen)}
+
+
 def stored_gallery(g, smoothing: Smoothing) -> torch.Tensor:
     """The photo embeddings g (N, width) as index.build stores them: float32, smoothed by
     ``smoothing`` (unchanged when it is off)."""
@@ -177,7 +194,9 @@ def _by_prefix(f, g, q_labels, g_labels, k: int, expansion: Expansion, seen=None
 
 
 def generalized_metrics(f, g, q_labels, g_labels, seen, k: int, smoothing: Smoothing,
-                        expansion: Expansion, learned: int | None = None) -> dict:
+                        expansion: Expansion, learned: int | None = None,
+                        gallery: torch.Tensor | None = None, hubness: Hubness | None = None,
+                        sample: torch.Tensor | None = None) -> dict:
     """Generalized retrieval (generalized zero-shot SBIR): queries f (Q, width) of classes
     held out of training ranked against the whole gallery g (N, width), the photos of the
     classes the model trained on (``seen`` (N,) bool) included, as a served index holds
@@ -186,14 +205,21 @@ def generalized_metrics(f, g, q_labels, g_labels, seen, k: int, smoothing: Smoot
     (the whole gallery smoothed by ``smoothing``, the queries expanded by ``expansion`` on
     each d-prefix against it), with "map_by_dims", "precision_by_dims",
     "seen_at_k_by_dims"; "learned": the first ``learned`` coordinates (the learned modes)
-    against the plain gallery, when given; "gallery", "seen_photos": the counts}."""
+    against the plain gallery, when given; "gallery", "seen_photos": the counts}.
+    ``gallery``: g as the index stores it, when the caller has it (else g smoothed here);
+    with an active ``hubness`` and its ``sample`` of sketches, "corrected": the service's
+    numbers with the hubness correction (corrected_metrics), else null."""
     seen = np.asarray(seen, dtype=bool)
-    gallery = stored_gallery(g, smoothing)
+    gallery = stored_gallery(g, smoothing) if gallery is None else gallery
     out = {**retrieval_metrics(f, g, q_labels, g_labels, k, seen=seen),
            "service": {"smoothing": smoothing.as_dict() if smoothing.active else {},
                        "expansion": expansion.as_dict() if expansion.active else {},
                        **_by_prefix(f, gallery, q_labels, g_labels, k, expansion, seen)},
-           "learned": None, "gallery": int(len(seen)), "seen_photos": int(seen.sum())}
+           "learned": None, "gallery": int(len(seen)), "seen_photos": int(seen.sum()),
+           "corrected": None}
+    if hubness is not None and hubness.active:
+        out["corrected"] = corrected_metrics(f, g, q_labels, g_labels, k, smoothing,
+                                             expansion, hubness, sample, gallery, seen)
     if learned is not None:
         f, g = torch.as_tensor(f), torch.as_tensor(g)
         out["learned"] = retrieval_metrics(f[:, :learned], g[:, :learned], q_labels,

@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 from scipy import ndimage
+from tqdm import tqdm
 
-__all__ = ["Style", "STYLES", "pseudo_sketch", "pseudo_sketches", "view_seed"]
+__all__ = ["Style", "STYLES", "SKETCH_STYLES", "pseudo_sketch", "pseudo_sketches",
+           "sketch_view", "view_features", "view_seed"]
 
 # the side the contours are found at: Sketchy's images are 256 px, and the filters' widths
 # below are in pixels of this side, so a photo of any size gives the same drawing
@@ -71,6 +75,12 @@ STYLES: dict[str, Style] = {
     "contour": Style("xdog", sigma=2.0, threshold=0.92, min_length=40, width=3),
     "detail": Style("xdog", sigma=1.2, threshold=0.96, min_length=30, width=2),
     "canny": Style("canny", sigma=2.5, threshold=0.9, min_length=30, width=2),
+}
+# Views of drawn sketches (sketch_view): the same jitter and dropout, a thinner and a
+# thicker pen than Sketchy's (about 2 px at 256).
+SKETCH_STYLES: dict[str, Style] = {
+    "thin": Style(min_length=5, width=1, drop=0.1),
+    "thick": Style(min_length=5, width=4, drop=0.1),
 }
 
 
@@ -152,13 +162,32 @@ def _jitter(strokes: np.ndarray, style: Style, rng: np.random.Generator) -> np.n
 def pseudo_sketch(photo: Image.Image, style: Style, seed: int, size: int) -> Image.Image:
     """One view of ``photo`` in ``style``: an RGB image of side ``size``, dark strokes on a
     white background, a function of (photo, style, seed) alone."""
-    if size < 8:
-        raise ValueError(f"size must be at least 8 pixels, got {size}")
-    rng = np.random.default_rng(seed)
+    _check_size(size)
     grey = _grey(photo)
     lines = (_xdog(grey, style.sigma, 1 - style.threshold) if style.edges == "xdog"
              else _canny(grey, style.sigma, style.threshold))
-    strokes = _jitter(_strokes(lines, style.min_length), style, rng)
+    return _draw(_strokes(lines, style.min_length), style, np.random.default_rng(seed), size)
+
+
+def sketch_view(sketch: Image.Image, style: Style, seed: int, size: int) -> Image.Image:
+    """An augmented view of a drawn ``sketch``: its strokes thinned, jittered by the style's
+    affine bounds, some left out, and drawn again at the style's width (its edge filter is
+    not used: the ink is the line). The same conventions as pseudo_sketch."""
+    _check_size(size)
+    lines = _grey(sketch) < 0.5
+    return _draw(_strokes(lines, style.min_length), style, np.random.default_rng(seed), size)
+
+
+def _check_size(size: int) -> None:
+    if size < 8:
+        raise ValueError(f"size must be at least 8 pixels, got {size}")
+
+
+def _draw(strokes: np.ndarray, style: Style, rng: np.random.Generator,
+          size: int) -> Image.Image:
+    """Stroke labels -> the page: jittered, a share ``style.drop`` of strokes left out (the
+    longest kept when none would be), drawn at the pen's width, resized to ``size``."""
+    strokes = _jitter(strokes, style, rng)
     ids = np.unique(strokes[strokes > 0])
     kept = ids[rng.random(len(ids)) >= style.drop]
     if len(kept) == 0 and len(ids):  # never a blank page: keep the longest stroke
@@ -179,3 +208,36 @@ def pseudo_sketches(photo: Image.Image, styles: dict[str, Style], seed: int, siz
     view_seed(seed, f"{key}|{name}"), ``key`` naming the photo (its path)."""
     return [pseudo_sketch(photo, style, view_seed(seed, f"{key}|{name}"), size)
             for name, style in styles.items()]
+
+
+def view_features(files, view, tag: str, backbone, image_size: int, cache_dir,
+                  batch_size: int = 64, device=None, desc: str = "views") -> torch.Tensor:
+    """(N, D) backbone features of one view of each of ``files``: ``view`` (index, path) ->
+    PIL image (a pseudo-sketch of the photo, an augmented sketch), passed through the
+    backbone as training's features are (training.cdk.features, at ``image_size``), and
+    cached in ``cache_dir`` (None: not) under the files' key and ``tag``, which must name
+    everything the view depends on (its style, its seed)."""
+    from training.device import pick_device
+    from training.images import images_to_tensor, load_image
+
+    from .features import cache_key, cached_tensor
+
+    files = [Path(f) for f in files]
+    module, device = backbone.module, pick_device(device)
+    path, key = None, ""
+    if cache_dir is not None and files:
+        key = hashlib.sha256((cache_key(files, backbone, module, image_size) + "|" + tag)
+                             .encode()).hexdigest()
+        path = Path(cache_dir) / f"{backbone.name}-{image_size}-views-{key[:24]}.pt"
+
+    @torch.no_grad()
+    def compute() -> torch.Tensor:
+        m = module.to(device).eval()
+        out = [torch.zeros(0, backbone.feature_dim)]
+        for i in tqdm(range(0, len(files), batch_size), desc=desc, unit="batch", leave=False):
+            ims = [view(j, load_image(f)) for j, f in enumerate(files[i : i + batch_size], i)]
+            x = images_to_tensor(ims, image_size, backbone.mean, backbone.std).to(device)
+            out.append(m(x).float().cpu())
+        return torch.cat(out)
+
+    return cached_tensor(path, key, files, (len(files),), 2, compute, what="view features")

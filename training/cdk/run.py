@@ -15,14 +15,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.files import atomic_write_text
+from training.files import atomic_save, atomic_write_text
 from training.folders import DataError
 
 from . import distributed
-from .config import Config, expansion, fit_warnings, input_size, smoothing, to_dict
+from .config import Config, expansion, fit_warnings, hubness, input_size, smoothing, to_dict
 from .data import Dataset, scan
 from .features import extract_features
 from .metrics import (
+    corrected_metrics,
     cosine_scores_metrics,
     generalized_metrics,
     orthogonality_stats,
@@ -136,11 +137,15 @@ def _evaluate_and_write(cfg: Config, bbs: dict, res: TrainResult, split: dict, t
     on_test = bool(te.classes)
     if not on_test:
         log.info(NO_TEST_NOTE, len(split["train"]), len(split["valid"]))
+    sample = hubness_sample(cfg, bbs, res, tr, tr_s, device)
+    if sample is not None:
+        atomic_save({"embeddings": sample, **hubness(cfg).as_dict()},
+                    out / HUBNESS_SAMPLE)
     gallery = whole_gallery(cfg, bbs, res, tr, [va, te], tr_p, device)
     valid_gallery = gallery.without(te.classes)
     ev = evaluate(cfg, bbs, res, te if on_test else va, tr_s, tr_p, device,
-                  gallery if on_test else valid_gallery)
-    valid = evaluate_valid(cfg, bbs, res, va, device, valid_gallery)
+                  gallery if on_test else valid_gallery, sample)
+    valid = evaluate_valid(cfg, bbs, res, va, device, valid_gallery, sample)
     log.info("mAP@all: valid %s, test %s (choose settings on valid)",
              "n/a (no validation classes)" if valid is None else f"{valid['map_all']:.4f}",
              f"{ev.full['map_all']:.4f}" if on_test else "n/a (no test classes)")
@@ -153,8 +158,16 @@ def _evaluate_and_write(cfg: Config, bbs: dict, res: TrainResult, split: dict, t
              f"{ev.service['map_all']:.4f}" if on_test else "n/a")
     log.info("generalized, as the service answers (held-out sketches against the whole "
              "gallery, training classes' photos included): valid %s; test %s",
-             "n/a" if valid is None else _generalized_text(valid["generalized"]),
-             _generalized_text(ev.generalized) if on_test else "n/a")
+             "n/a" if valid is None else _generalized_text(valid["generalized"]["service"]),
+             _generalized_text(ev.generalized["service"]) if on_test else "n/a")
+    if sample is not None:
+        log.info("with the hubness correction (%s): zero-shot mAP@all valid %s, test %s; "
+                 "generalized valid %s; test %s", hubness(cfg).as_dict(),
+                 "n/a" if valid is None else f"{valid['corrected']['map_all']:.4f}",
+                 f"{ev.corrected['map_all']:.4f}" if on_test else "n/a",
+                 "n/a" if valid is None else _generalized_text(
+                     valid["generalized"]["corrected"]),
+                 _generalized_text(ev.generalized["corrected"]) if on_test else "n/a")
     metrics = metrics_json(cfg, split, te, res, ev, train_seconds, valid)
     atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")
     write_plots(cfg, te if on_test else va, res, ev, out)
@@ -162,10 +175,33 @@ def _evaluate_and_write(cfg: Config, bbs: dict, res: TrainResult, split: dict, t
 
 
 def _generalized_text(m: dict) -> str:
-    sv = m["service"]
-    return (f"mAP@all {sv['map_all']:.4f}, P@{sv['k']} {sv['precision_at_k']:.4f}, "
-            f"{100 * sv['seen_at_k']:.0f}% of the top {sv['k']} from training classes "
-            f"({m['gallery']} photos)")
+    return (f"mAP@all {m['map_all']:.4f}, P@{m['k']} {m['precision_at_k']:.4f}, "
+            f"{100 * m['seen_at_k']:.0f}% of the top {m['k']} from training classes")
+
+
+# OUT/HUBNESS_SAMPLE: the training sketches' embeddings (S, width) the hubness correction
+# scores each stored photo against, with its k and weight (model.hubness)
+HUBNESS_SAMPLE = "hubness_sample.pt"
+
+
+def hubness_sample(cfg: Config, bbs: dict, res: TrainResult, tr: Dataset, tr_s: torch.Tensor,
+                   device) -> torch.Tensor | None:
+    """(S, width) the embeddings of at most cfg.hubness_sample training sketches, evenly
+    spread over them (classes are contiguous, so every class is in it), as retrieval embeds
+    sketches; None when the correction is off."""
+    if not hubness(cfg).active:
+        return None
+    pick = np.unique(np.linspace(0, len(tr_s) - 1, min(cfg.hubness_sample, len(tr_s)))
+                     .round().astype(np.int64))
+    tuned = (res.backbones or {}).get("sketch")
+    x = tr_s if tuned is None else _features(cfg, "sketch", bbs["sketch"], tr.sketches,
+                                             "train sketches", device, tuned)
+    x = x[torch.as_tensor(pick)]
+    dev = next(res.heads["sketch"].parameters()).device
+    raw = (res.raw or {}).get("sketch")
+    with torch.no_grad():
+        return embedding(embed_features(res.heads["sketch"], x, dev), x.float().cpu(),
+                         cfg.unit_embeddings, None if raw is None else raw.cpu())
 
 
 NO_TEST_NOTE = ("split none: no test classes are held out; every class but the validation "
@@ -241,6 +277,8 @@ class Evaluation:
     # the same queries against the whole gallery, training classes' photos included
     # (metrics.generalized_metrics); None when no gallery was given
     generalized: dict | None = None
+    # as ``service`` with the hubness correction (metrics.corrected_metrics); None when off
+    corrected: dict | None = None
 
 
 def embed_dataset(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, ds: Dataset,
@@ -275,11 +313,12 @@ def retrieval_embeddings(cfg: Config, res: TrainResult, fn: torch.Tensor, gn: to
 
 def evaluate(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, te: Dataset,
              tr_s: torch.Tensor, tr_p: torch.Tensor, device,
-             whole: Gallery | None = None) -> Evaluation:
+             whole: Gallery | None = None, sample: torch.Tensor | None = None) -> Evaluation:
     """Embed the test classes with the trained heads (and backbones, if fine-tuned) and
     score them; bbs: the pretrained backbone per modality; tr_s, tr_p: (N, D) training
     features, the PCA baseline's fit; ``whole``: the whole gallery the generalized
-    numbers rank the test sketches against (none: not scored)."""
+    numbers rank the test sketches against (none: not scored); ``sample``: the hubness
+    correction's sketches (hubness_sample; None: off)."""
     dev = next(res.heads["sketch"].parameters()).device
     fn, gn, te_s, te_p = embed_dataset(cfg, bbs, res, te, "test", device)
     f, g = retrieval_embeddings(cfg, res, fn, gn, te_s, te_p)
@@ -302,16 +341,21 @@ def evaluate(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, te: Datase
         service=service_metrics(f, g, *labels, cfg.k, smoothing(cfg), expansion(cfg), gallery),
         learned=(retrieval_metrics(f[:, :L], g[:, :L], *labels, cfg.k)
                  if res.raw is not None else None),
-        generalized=None if whole is None else generalized(cfg, whole, f, te),
+        generalized=None if whole is None else generalized(cfg, whole, f, te, sample),
+        corrected=None if sample is None else corrected_metrics(
+            f, g, *labels, cfg.k, smoothing(cfg), expansion(cfg), hubness(cfg), sample,
+            gallery),
     )
 
 
 def evaluate_valid(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, va: Dataset,
-                   device, whole: Gallery | None = None) -> dict | None:
+                   device, whole: Gallery | None = None,
+                   sample: torch.Tensor | None = None) -> dict | None:
     """metrics.json's "valid" block: retrieval metrics of the trained embeddings on the
     validation classes, in full and by the d most significant modes (no baselines: they do
-    not depend on the trained model), and against the ``whole`` gallery (generalized; null
-    without one). None when the split has no validation classes."""
+    not depend on the trained model), against the ``whole`` gallery (generalized; null
+    without one), and with the hubness correction of ``sample`` ("corrected"; null
+    without). None when the split has no validation classes."""
     if not va.classes:
         return None
     fn, gn, x_s, x_p = embed_dataset(cfg, bbs, res, va, "valid", device)
@@ -329,7 +373,10 @@ def evaluate_valid(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, va: 
         "smoothed": smoothed_metrics(f, g, *labels, cfg.k, smoothing(cfg), gallery),
         "service": service_metrics(f, g, *labels, cfg.k, smoothing(cfg), expansion(cfg),
                                    gallery),
-        "generalized": None if whole is None else generalized(cfg, whole, f, va),
+        "corrected": None if sample is None else corrected_metrics(
+            f, g, *labels, cfg.k, smoothing(cfg), expansion(cfg), hubness(cfg), sample,
+            gallery),
+        "generalized": None if whole is None else generalized(cfg, whole, f, va, sample),
         "classes": list(va.classes),
         "counts": {"sketches": len(va.sketches), "photos": len(va.photos)},
     }
@@ -374,9 +421,11 @@ def whole_gallery(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, tr: D
     return Gallery(torch.cat(gs), tuple(classes), np.array(seen, dtype=bool))
 
 
-def generalized(cfg: Config, gallery: Gallery, f: torch.Tensor, ds: Dataset) -> dict:
+def generalized(cfg: Config, gallery: Gallery, f: torch.Tensor, ds: Dataset,
+                sample: torch.Tensor | None = None) -> dict:
     """metrics.generalized_metrics of the sketches of ``ds`` embedded as f (Q, width)
-    against ``gallery``, smoothed and expanded as the config says."""
+    against ``gallery``, smoothed and expanded as the config says (and corrected by the
+    hubness ``sample``, when given)."""
     index = {c: i for i, c in enumerate(dict.fromkeys(gallery.classes))}
     missing = sorted(set(ds.classes) - set(index))
     if missing:
@@ -384,7 +433,9 @@ def generalized(cfg: Config, gallery: Gallery, f: torch.Tensor, ds: Dataset) -> 
     q_labels = np.array([index[ds.classes[i]] for i in ds.sketch_labels], dtype=np.int64)
     g_labels = np.array([index[c] for c in gallery.classes], dtype=np.int64)
     return generalized_metrics(f, gallery.g, q_labels, g_labels, gallery.seen, cfg.k,
-                               smoothing(cfg), expansion(cfg), learned=cfg.modes)
+                               smoothing(cfg), expansion(cfg), learned=cfg.modes,
+                               hubness=hubness(cfg) if sample is not None else None,
+                               sample=sample)
 
 
 def _train_orthogonality(res: TrainResult, tr_s, tr_p, device) -> dict:
@@ -424,6 +475,8 @@ def metrics_json(cfg: Config, split: dict, te: Dataset, res: TrainResult, ev: Ev
         # the same sketches against the whole gallery, the training classes' photos
         # included (generalized zero-shot retrieval; metrics.generalized_metrics)
         "generalized": ev.generalized,
+        # "service" with the hubness correction (model.hubness; null when off)
+        "corrected": ev.corrected,
         # the CDK's Rayleigh quotients at the learned pairs (the estimate modes are ordered
         # by), and sqrt(E f^2 E g^2), first-order in the pairs' error, beside them
         "singular_values": res.singular_values.tolist(),
