@@ -24,10 +24,14 @@ Variants (VARIANTS; "+" combines):
   photos, classes unknown, with the training pairs mixed in (training.cdk.adapt): a
   transductive setting, reported as its own rows;
 - csls-train / csls-gallery: a hubness correction at search time (cross-domain similarity
-  local scaling): each photo's score lowered by CSLS_WEIGHT x its mean score against its
-  CSLS_K nearest sketches of a fixed sample (the training sketches, or pseudo-sketches of
-  the gallery's photos), stored as one more coordinate of the photo (the query's is 1), so
-  a flat inner-product index serves it.
+  local scaling, training.cdk.model.hubness): each photo's score lowered by CSLS_WEIGHT x
+  its mean score against its CSLS_K nearest sketches of a fixed sample (the training
+  sketches, or pseudo-sketches of the gallery's photos), stored as one more coordinate of
+  the photo (the query's is 1), so a flat inner-product index serves it.
+
+Beside them, "trained": the last TRAINED_QUERIES sketches of each training class (not in
+the correction's sample) against the whole gallery as the service answers: what a variant
+costs the classes the heads know (optimistic: the heads trained on those sketches).
 
     python -m research.openworld_bench --data ../shared/data/sketchy-mini --out runs/openworld \\
         --variants default "pseudo contour" adapt csls-train --seeds 0
@@ -61,7 +65,7 @@ from training.cdk.config import (
     smoothing,
     to_dict,
 )
-from training.cdk.data import PairSampler, scan
+from training.cdk.data import PairSampler, rank_in_class, scan
 from training.cdk.features import extract_features, find_cached
 from training.cdk.metrics import (
     generalized_metrics,
@@ -72,6 +76,7 @@ from training.cdk.metrics import (
 from training.cdk.model.backbones import Backbone, build_backbone, with_flip_average
 from training.cdk.model.heads import embedding
 from training.cdk.model.hubness import Hubness, photo_penalty, with_penalty
+from training.cdk.model.smoothing import expand_exact
 from training.cdk.pseudo import (
     SKETCH_STYLES,
     STYLES,
@@ -87,7 +92,7 @@ from training.cdk.train import TrainData, train
 VIEW_SEED = 0  # the views are data: the same for every training seed
 CSLS_K = 10
 CSLS_WEIGHT = 0.5  # CSLS's 2 cos - r_x - r_y ranks a query's photos as cos - r_y / 2
-CSLS_SAMPLE = 2000  # training sketches in the fixed query sample
+TRAINED_QUERIES = 5  # sketches a training class holds back from the correction's sample
 # --smoke: small heads and a short run on generated data
 SMOKE = {"modes": 8, "hidden": 16, "epochs": 2, "batch_size": 8, "k": 2, "raw_dims": 8,
          "image_size": 32}
@@ -221,6 +226,12 @@ def score(cfg: Config, f: torch.Tensor, g: torch.Tensor, F: dict, rows: dict,
         if mask is None:
             m = generalized_metrics(fq, gg, ql, labels, rows["seen"], k, sm, ex,
                                     learned=L, gallery=gallery)
+            if "trained_f" in rows:  # sketches of trained classes against the same gallery
+                tq = rows["trained_f"]
+                tq = tq if csls is None else torch.cat([tq, torch.ones(len(tq), 1)], 1)
+                t = retrieval_metrics(expand_exact(tq, gallery, ex), gallery,
+                                      rows["trained_labels"], labels, k)
+                out.update(trained_map=t["map_all"], trained_p=t["precision_at_k"])
             out.update(gen_map=m["service"]["map_all"], gen_p=m["service"]["precision_at_k"],
                        gen_seen=m["service"]["seen_at_k"], gen_plain_map=m["map_all"],
                        gen_plain_seen=m["seen_at_k"], gen_modes_map=m["learned"]["map_all"],
@@ -265,14 +276,22 @@ def parse_variant(name: str) -> dict:
 
 
 def run_set(cfg: Config, F: dict, held: list[str], variants: list[str], adapt_cfg: Adaptation,
-            adapt_style: str, done: set, set_name: str, out: Path) -> list[dict]:
+            adapt_style: str, done: set, set_name: str, out: Path,
+            heads_dir: Path) -> list[dict]:
     """Every variant not in ``done`` on one held-out set and cfg.seed; the trained heads of
     each kernel are trained once and shared by the variants that use them."""
     index = {c: i for i, c in enumerate(F["classes"])}
     held_ids = [index[c] for c in held]
     sl, pl = np.asarray(F["sketch_labels"]), np.asarray(F["photo_labels"])
     train_s, train_p = ~np.isin(sl, held_ids), ~np.isin(pl, held_ids)
-    rows = {"held_p": ~train_p, "seen": train_p, "q_labels": sl[~train_s]}
+    # the last TRAINED_QUERIES sketches of each training class: queries of classes the heads
+    # trained on (trained on them too, so an optimistic measure of what a correction costs
+    # them), never in the hubness correction's sample, which holds the other sketches
+    rank = rank_in_class(torch.as_tensor(sl)).numpy()
+    count = np.bincount(sl)[sl]
+    trained_q = train_s & (rank >= count - np.minimum(TRAINED_QUERIES, count // 2))
+    rows = {"held_p": ~train_p, "seen": train_p, "q_labels": sl[~train_s],
+            "trained_labels": sl[trained_q]}
     trained: dict[tuple, tuple] = {}
     results = []
     for name in variants:
@@ -291,7 +310,7 @@ def run_set(cfg: Config, F: dict, held: list[str], variants: list[str], adapt_cf
                     extra_of.append(F["photo_of"][train_s])
             # the heads of this kernel, set and config (the seed is in it)
             tag = hashlib.sha256(json.dumps([kernel, set_name, to_dict(cfg)]).encode())
-            saved = out / "heads" / f"{set_name}-{cfg.seed}-{tag.hexdigest()[:16]}.pt"
+            saved = heads_dir / f"{set_name}-{cfg.seed}-{tag.hexdigest()[:16]}.pt"
             trained[kernel] = train_rows(cfg, F, train_s, train_p, extra, extra_of, saved)
         res, data, seconds = trained[kernel]
         heads = res.heads
@@ -306,12 +325,12 @@ def run_set(cfg: Config, F: dict, held: list[str], variants: list[str], adapt_cf
                                 nesting_weights(cfg))
         f = _embed(cfg, heads, res.raw, "sketch", F["sketch"][torch.as_tensor(~train_s)])
         g = _embed(cfg, heads, res.raw, "photo", F["photo"])
+        rows["trained_f"] = _embed(cfg, heads, res.raw, "sketch",
+                                   F["sketch"][torch.as_tensor(trained_q)])
         sample = None
         if spec["csls"] == "train":
-            gen = torch.Generator().manual_seed(0)
-            pick = torch.randperm(int(train_s.sum()), generator=gen)[:CSLS_SAMPLE]
             sample = _embed(cfg, heads, res.raw, "sketch",
-                            F["sketch"][torch.as_tensor(train_s)][pick])
+                            F["sketch"][torch.as_tensor(train_s & ~trained_q)])
         elif spec["csls"] == "gallery":
             sample = _embed(cfg, heads, res.raw, "sketch", F["views"][adapt_style])
         r = {"variant": name, "set": set_name, "seed": cfg.seed, "held_out": len(held),
@@ -331,7 +350,8 @@ def run_set(cfg: Config, F: dict, held: list[str], variants: list[str], adapt_cf
 # ------------------------------------------------------------------ report
 
 COLUMNS = (("gen_map", "gen. mAP"), ("gen_p", "gen. P@k"), ("gen_seen", "seen top-k"),
-           ("gen_plain_map", "gen. plain mAP"), ("zs_map", "zero-shot mAP"),
+           ("gen_plain_map", "gen. plain mAP"), ("trained_map", "trained mAP"),
+           ("zs_map", "zero-shot mAP"),
            ("zs_p", "zero-shot P@k"), ("zs_modes_map", "modes mAP"),
            ("zs_d16_map", "d=16 mAP"))
 
@@ -402,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="training.cdk.adapt.Adaptation fields to change (JSON values)")
     ap.add_argument("--adapt-style", default="detail", choices=sorted(STYLES),
                     help="the pseudo-sketch style of the gallery's views (adapt, csls-gallery)")
+    ap.add_argument("--heads", default=None,
+                    help="where trained heads are kept and reused (default: OUT/heads)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--report", action="store_true", help="print OUT/results.jsonl's table")
     ap.add_argument("--smoke", action="store_true",
@@ -445,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for seed in args.seeds:
                 rows += run_set(dataclasses.replace(cfg, seed=seed), F, held, args.variants,
-                                adapt_cfg, args.adapt_style, done, set_name, out)
+                                adapt_cfg, args.adapt_style, done, set_name, out,
+                                Path(args.heads or out / "heads"))
         print(report([json.loads(x) for x in results.read_text().splitlines()]))
     finally:
         if tmp is not None:
