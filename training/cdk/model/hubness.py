@@ -33,7 +33,7 @@ class Hubness:
     CSLS's own is 0.5)."""
 
     k: int = 10
-    weight: float = 1.0
+    weight: float = 0.5
 
     def __post_init__(self):
         if not isinstance(self.k, int) or self.k < 1:
