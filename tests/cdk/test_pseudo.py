@@ -56,3 +56,15 @@ def test_a_flat_photo_gives_a_blank_page_and_bad_styles_are_refused():
         Style(drop=1.0)
     with pytest.raises(ValueError, match="size"):
         pseudo_sketch(flat, STYLES["canny"], seed=0, size=4)
+
+
+def test_views_of_a_drawn_sketch_keep_its_strokes(sketchy_mini):
+    from training.cdk.pseudo import SKETCH_STYLES, sketch_view
+
+    sketch = load_image(sorted((sketchy_mini / "sketch" / "cat").iterdir())[0])
+    thin = sketch_view(sketch, SKETCH_STYLES["thin"], seed=0, size=128)
+    thick = sketch_view(sketch, SKETCH_STYLES["thick"], seed=0, size=128)
+    again = sketch_view(sketch, SKETCH_STYLES["thin"], seed=0, size=128)
+    np.testing.assert_array_equal(np.asarray(thin), np.asarray(again))
+    assert thin.size == thick.size == (128, 128)
+    assert 0 < _ink(thin) < _ink(thick) < 0.5  # the thicker pen puts down more ink

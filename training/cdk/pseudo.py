@@ -212,8 +212,8 @@ def pseudo_sketches(photo: Image.Image, styles: dict[str, Style], seed: int, siz
 
 def view_features(files, view, tag: str, backbone, image_size: int, cache_dir,
                   batch_size: int = 64, device=None, desc: str = "views") -> torch.Tensor:
-    """(N, D) backbone features of one view of each of ``files``: ``view`` (index, path) ->
-    PIL image (a pseudo-sketch of the photo, an augmented sketch), passed through the
+    """(N, D) backbone features of one view of each of ``files``: ``view`` (index, decoded
+    image) -> PIL image (a pseudo-sketch of the photo, an augmented sketch), passed through the
     backbone as training's features are (training.cdk.features, at ``image_size``), and
     cached in ``cache_dir`` (None: not) under the files' key and ``tag``, which must name
     everything the view depends on (its style, its seed)."""
