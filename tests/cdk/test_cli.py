@@ -120,6 +120,11 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
     assert model.training["classes"]["valid"] == list(VALID)
     e = model.embedder("cpu")
     assert e.photo_flip_average and not e.sketch_flip_average
+    # the training sketches the hubness correction scores photos against: all 3 of them
+    hub = torch.load(out / "hubness_sample.pt", weights_only=True)
+    train_sketches = scan(root).restrict([c for c in CLASSES if c not in TEST + VALID])
+    torch.testing.assert_close(hub["embeddings"], torch.as_tensor(e.embed(
+        [load_image(p) for p in train_sketches.sketches], "sketch")), rtol=1e-4, atol=1e-5)
     for classes, want in ((TEST, m), (VALID, v)):  # test numbers top level, valid in "valid"
         te = scan(root).restrict(list(classes))
         f = e.embed([load_image(p) for p in te.sketches], "sketch")
@@ -142,6 +147,34 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
         fq = expand_exact(torch.as_tensor(f), gs, Expansion())
         r = retrieval_metrics(fq, gs, te.sketch_labels, te.photo_labels, 2)
         assert r["map_all"] == pytest.approx(want["service"]["map_all"], abs=1e-6)
+        # generalized: the same sketches against every photo of the training classes and of
+        # theirs (the validation classes' without the test photos), as the service answers
+        whole = scan(root).restrict([c for c in CLASSES if c not in TEST or classes == TEST])
+        ga = e.embed([load_image(p) for p in whole.photos], "photo")
+        seen = ~np.isin(np.array(whole.classes)[whole.photo_labels], TEST + VALID)
+        q = np.array([whole.classes.index(te.classes[i]) for i in te.sketch_labels])
+        gas = smooth(torch.as_tensor(ga), Smoothing())
+        fa = expand_exact(torch.as_tensor(f), gas, Expansion())
+        r = retrieval_metrics(fa, gas, q, whole.photo_labels, 2, seen=seen)
+        gen = want["generalized"]
+        assert (gen["gallery"], gen["seen_photos"]) == (len(whole.photos), 9)
+        for key in ("map_all", "precision_at_k", "seen_at_k"):
+            assert r[key] == pytest.approx(gen["service"][key], abs=1e-6)
+        r = retrieval_metrics(f, ga, q, whole.photo_labels, 2, seen=seen)
+        assert r["map_all"] == pytest.approx(gen["map_all"], abs=1e-6)
+        # the hubness correction: each stored photo less its score against the training
+        # sketches written beside the model, one more coordinate of photos and queries
+        for gallery, lab, block, see in ((gs, te.photo_labels, want["corrected"], None),
+                                         (gas, whole.photo_labels, gen["corrected"], seen)):
+            pen = hub["weight"] * (gallery @ hub["embeddings"].T).topk(
+                min(hub["k"], len(hub["embeddings"])), dim=1).values.mean(1)
+            fq = torch.cat([torch.as_tensor(f), torch.ones(len(f), 1)], 1)
+            gq = torch.cat([gallery, -pen[:, None]], 1)
+            r = retrieval_metrics(expand_exact(fq, gq, Expansion()), gq,
+                                  te.sketch_labels if see is None else q, lab, 2, seen=see)
+            assert r["map_all"] == pytest.approx(block["map_all"], abs=1e-6)
+            if see is not None:
+                assert r["seen_at_k"] == pytest.approx(block["seen_at_k"], abs=1e-6)
     np.testing.assert_allclose(e.singular_values.numpy(), m["singular_values"], rtol=1e-6)
 
     # Running again finds the finished run: no retraining, same numbers, the same bundle

@@ -129,3 +129,83 @@ def test_spectrum_order_against_a_loop():
         assert got["top"] == 32 and got["rising_pairs"] == len(rises)
         assert got["max_swap"] == pytest.approx(max(rises, default=0.0))
     assert spectrum_order([3.0, 2.0, 1.0]) == {"top": 3, "max_swap": 0.0, "rising_pairs": 0}
+
+
+def _loop_smooth(g: np.ndarray, k: int, weight: float, rounds: int) -> np.ndarray:
+    """Gallery smoothing written out: each photo moves to (g + w mean of its k nearest by
+    cosine, itself excluded, ties by index) / (1 + w), ``rounds`` times."""
+    for _ in range(rounds):
+        unit = g / np.linalg.norm(g, axis=1, keepdims=True)
+        new = g.copy()
+        for i in range(len(g)):
+            near = sorted((j for j in range(len(g)) if j != i),
+                          key=lambda j: (-(unit[i] @ unit[j]), j))[:k]
+            new[i] = (g[i] + weight * g[near].mean(0)) / (1 + weight)
+        g = new
+    return g
+
+
+def _loop_seen_share(scores: np.ndarray, seen: np.ndarray, k: int) -> float:
+    shares = [np.mean([seen[j] for j in sorted(range(scores.shape[1]),
+                                               key=lambda j: (-scores[q, j], j))[:k]])
+              for q in range(scores.shape[0])]
+    return float(np.mean(shares))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_generalized_metrics_match_brute_force(seed):
+    """Held-out queries against a gallery holding the training classes' photos too: the
+    plain block, the learned prefix, and the service block (the whole gallery smoothed,
+    each query expanded with its best photos), each against loops written out."""
+    from training.cdk.metrics import generalized_metrics
+    from training.cdk.model.smoothing import Expansion, Smoothing
+
+    rng = np.random.default_rng(seed)
+    f = rng.normal(size=(8, 6))
+    g = rng.normal(size=(30, 6))
+    gl = np.arange(30) % 6  # classes 0-3 trained (seen), 4-5 held out
+    seen = gl < 4
+    ql = rng.integers(4, 6, 8)
+    sm, ex = Smoothing(k=3, weight=2.0, rounds=2), Expansion(n=2, weight=0.5)
+    m = generalized_metrics(torch.tensor(f), torch.tensor(g), ql, gl, seen, 5, sm, ex,
+                            learned=4)
+
+    ref_map, ref_p = brute_force(f @ g.T, ql, gl, 5)
+    assert m["map_all"] == pytest.approx(ref_map, abs=1e-12)
+    assert m["precision_at_k"] == pytest.approx(ref_p, abs=1e-12)
+    assert m["seen_at_k"] == pytest.approx(_loop_seen_share(f @ g.T, seen, 5), abs=1e-12)
+    assert (m["gallery"], m["seen_photos"]) == (30, 20)
+
+    lm = brute_force(f[:, :4] @ g[:, :4].T, ql, gl, 5)
+    assert m["learned"]["map_all"] == pytest.approx(lm[0], abs=1e-12)
+    assert m["learned"]["seen_at_k"] == pytest.approx(
+        _loop_seen_share(f[:, :4] @ g[:, :4].T, seen, 5), abs=1e-12)
+
+    gs = _loop_smooth(g, 3, 2.0, 2)
+    s = f @ gs.T
+    best = [sorted(range(30), key=lambda j: (-s[q, j], j))[:2] for q in range(8)]
+    fx = np.stack([f[q] + 0.5 * gs[best[q]].mean(0) for q in range(8)])
+    sv = m["service"]
+    ref_map, ref_p = brute_force(fx @ gs.T, ql, gl, 5)
+    assert sv["map_all"] == pytest.approx(ref_map, abs=1e-5)  # the gallery is float32
+    assert sv["precision_at_k"] == pytest.approx(ref_p, abs=1e-5)
+    assert sv["seen_at_k"] == pytest.approx(_loop_seen_share(fx @ gs.T, seen, 5), abs=1e-5)
+    assert sv["seen_at_k_by_dims"]["6"] == sv["seen_at_k"]
+    assert sv["expansion"] == {"n": 2, "weight": 0.5}
+
+
+def test_generalized_metrics_count_seen_photos_in_the_top_k():
+    # one query of class 1; the two photos of class 0 (seen) score highest
+    from training.cdk.metrics import generalized_metrics
+    from training.cdk.model.smoothing import Expansion, Smoothing
+
+    f = torch.tensor([[1.0]])
+    g = torch.tensor([[4.0], [3.0], [2.0], [1.0]])
+    m = generalized_metrics(f, g, [1], [0, 0, 1, 1], [True, True, False, False], 2,
+                            Smoothing(k=0), Expansion(n=0))
+    assert m["seen_at_k"] == 1.0 and m["precision_at_k"] == 0.0
+    assert m["map_all"] == pytest.approx((1 / 3 + 2 / 4) / 2)
+    assert m["service"]["seen_at_k"] == 1.0 and m["learned"] is None
+    with pytest.raises(ValueError, match="seen must be one bool per gallery photo"):
+        generalized_metrics(f, g, [1], [0, 0, 1, 1], [True], 2, Smoothing(k=0),
+                            Expansion(n=0))

@@ -16,8 +16,8 @@ from pathlib import Path
 from training import cli
 
 __all__ = ["Config", "PRESETS", "PRESET_REASONS", "METHODS", "NESTING_OF", "NESTING_WEIGHTS",
-           "expansion", "fit_warnings", "nesting_weights", "smoothing", "make_config", "parse_args",
-           "input_size", "to_dict", "from_dict"]
+           "expansion", "hubness", "fit_warnings", "nesting_weights", "smoothing", "make_config",
+           "parse_args", "input_size", "to_dict", "from_dict"]
 
 # CLI method name -> nesting of training.loss.nesting_masks
 NESTING_OF = {"neuralsvd-jnt": "joint", "neuralsvd-seq": "sequential", "lora": "none"}
@@ -31,7 +31,7 @@ NESTING_WEIGHTS = ("uniform", "harmonic")
 # Fields that do not change what is trained: a run may be resumed with other values.
 RUNTIME_FIELDS = ("out", "threads", "cache_dir", "k", "gallery_queries", "gallery_topk",
                   "workers", "smooth_k", "smooth_weight", "smooth_rounds", "expand_n",
-                  "expand_weight", "int8")
+                  "expand_weight", "int8", "hubness_weight", "hubness_k", "hubness_sample")
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,17 @@ class Config:
     # reports it as "service". 0 turns it off
     expand_n: int = 5
     expand_weight: float = 0.5
+    # hubness correction at search time (model.hubness, cross-domain similarity local
+    # scaling): each stored photo's score lowered by hubness_weight x its mean score against
+    # its hubness_k nearest sketches of a fixed sample of training sketches (at most
+    # hubness_sample of them, evenly spread), which training writes beside the model. Photos
+    # of the trained classes crowd the answers to a sketch of a class never seen; this
+    # lowers them. Evaluation reports it as "corrected". 0 turns it off. Weight 0.5 (CSLS's
+    # own) and k = 10 chosen on the class folds and validation classes
+    # (docs/retrieval-training.md): a heavier weight costs the zero-shot numbers
+    hubness_weight: float = 0.5
+    hubness_k: int = 10
+    hubness_sample: int = 4096
 
     # -- fine-tuning the backbones with the heads (else cached frozen features). Every
     # BatchNorm layer keeps its pretrained statistics
@@ -176,6 +187,7 @@ PRESETS: dict[str, dict] = {
         "sort_modes": False,
         "smooth_k": 0,
         "expand_n": 0,
+        "hubness_weight": 0.0,
     },
 }
 DEFAULT_PRESET = "cpu"
@@ -223,6 +235,13 @@ def smoothing(cfg: Config):
     from .model.smoothing import Smoothing  # local: keep config import light
 
     return Smoothing(cfg.smooth_k, cfg.smooth_weight, cfg.smooth_rounds)
+
+
+def hubness(cfg: Config):
+    """The hubness correction of ``cfg`` (training.cdk.model.hubness.Hubness)."""
+    from .model.hubness import Hubness  # local: keep config import light
+
+    return Hubness(cfg.hubness_k, cfg.hubness_weight)
 
 
 def expansion(cfg: Config):
@@ -288,6 +307,9 @@ def _check_numbers(cfg: Config) -> None:
             raise ValueError(f"{name} must be positive, got {getattr(cfg, name)!r}")
     smoothing(cfg)  # their own checks name the bad value
     expansion(cfg)
+    hubness(cfg)
+    if cfg.hubness_sample < 1:
+        raise ValueError(f"hubness_sample must be >= 1, got {cfg.hubness_sample!r}")
 
 
 def _check(cfg: Config) -> Config:
@@ -359,7 +381,10 @@ ADDED_LATER = {"instance_share": 0.0,  # the class kernel alone
                "raw_whiten": 0.0,  # plain PCA
                "sketch_image_size": 0,  # image_size
                "expand_n": Config.expand_n, "expand_weight": Config.expand_weight,
-               "int8": Config.int8}
+               "int8": Config.int8,
+               # no sample of training sketches was written beside those models
+               "hubness_weight": 0.0, "hubness_k": Config.hubness_k,
+               "hubness_sample": Config.hubness_sample}
 
 
 def from_dict(d: dict, source: str = "config") -> Config:

@@ -17,17 +17,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.files import atomic_write_text
+from training.files import atomic_save, atomic_write_text
 from training.folders import DataError
 
 from . import distributed
-from .config import Config, expansion, fit_warnings, input_size, smoothing, to_dict
+from .config import Config, expansion, fit_warnings, hubness, input_size, smoothing, to_dict
 from .data import Dataset, scan
 from .estimate import estimate_run
 from .features import extract_features
 from .make_bundle import References, make_bundle
 from .metrics import (
+    corrected_metrics,
     cosine_scores_metrics,
+    generalized_metrics,
     orthogonality_stats,
     pca_curves,
     retrieval_metrics,
@@ -46,7 +48,8 @@ from .splits import split_classes
 from .train import TrainData, TrainResult, train
 
 __all__ = ["run", "estimate_text", "load_data", "embed_features", "embed_dataset",
-           "retrieval_embeddings", "Evaluation", "evaluate", "evaluate_valid", "metrics_json"]
+           "retrieval_embeddings", "Evaluation", "evaluate", "evaluate_valid", "Gallery",
+           "whole_gallery", "generalized", "metrics_json"]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ def run(cfg: Config, say: Callable[[str], None] = log.info) -> dict:
     if distributed.rank_and_world()[0] != 0:
         distributed.shutdown()  # waits for rank 0's evaluation
         return {}
-    metrics = _evaluate_and_write(cfg, bbs, res, split, va, te, tr_s, tr_p, device,
+    metrics = _evaluate_and_write(cfg, bbs, res, split, tr, va, te, tr_s, tr_p, device,
                                   train_seconds)
     distributed.shutdown()
     write_bundle(cfg, out, lambda: valid_references(cfg, bbs, res, va, device), say)
@@ -149,17 +152,27 @@ def _duration(seconds: float) -> str:
     return f"{minutes} min {s} s" if minutes else f"{s} s"
 
 
-def _evaluate_and_write(cfg: Config, bbs: dict, res: TrainResult, split: dict, va: Dataset,
-                        te: Dataset, tr_s, tr_p, device, train_seconds: float) -> dict:
+def _evaluate_and_write(cfg: Config, bbs: dict, res: TrainResult, split: dict, tr: Dataset,
+                        va: Dataset, te: Dataset, tr_s, tr_p, device,
+                        train_seconds: float) -> dict:
     """Evaluation on the test and validation classes, metrics.json and the plots. A split
     without test classes (``none``) is evaluated on its validation classes instead, and
-    says so."""
+    says so. The generalized numbers rank the held-out sketches against every photo of
+    the classes up to theirs: the validation classes' against the training and
+    validation photos (no test image decides a setting), the test classes' against all."""
     out = Path(cfg.out)
     on_test = bool(te.classes)
     if not on_test:
         log.info(NO_TEST_NOTE, len(split["train"]), len(split["valid"]))
-    ev = evaluate(cfg, bbs, res, te if on_test else va, tr_s, tr_p, device)
-    valid = evaluate_valid(cfg, bbs, res, va, device)
+    sample = hubness_sample(cfg, bbs, res, tr, tr_s, device)
+    if sample is not None:
+        atomic_save({"embeddings": sample, **hubness(cfg).as_dict()},
+                    out / HUBNESS_SAMPLE)
+    gallery = whole_gallery(cfg, bbs, res, tr, [va, te], tr_p, device)
+    valid_gallery = gallery.without(te.classes)
+    ev = evaluate(cfg, bbs, res, te if on_test else va, tr_s, tr_p, device,
+                  gallery if on_test else valid_gallery, sample)
+    valid = evaluate_valid(cfg, bbs, res, va, device, valid_gallery, sample)
     log.info("mAP@all: valid %s, test %s (choose settings on valid)",
              "n/a (no validation classes)" if valid is None else f"{valid['map_all']:.4f}",
              f"{ev.full['map_all']:.4f}" if on_test else "n/a (no test classes)")
@@ -170,10 +183,52 @@ def _evaluate_and_write(cfg: Config, bbs: dict, res: TrainResult, split: dict, v
     log.info("mAP@all as the service answers (smoothed gallery, expanded queries): valid %s, "
              "test %s", "n/a" if valid is None else f"{valid['service']['map_all']:.4f}",
              f"{ev.service['map_all']:.4f}" if on_test else "n/a")
+    log.info("generalized, as the service answers (held-out sketches against the whole "
+             "gallery, training classes' photos included): valid %s; test %s",
+             "n/a" if valid is None else _generalized_text(valid["generalized"]["service"]),
+             _generalized_text(ev.generalized["service"]) if on_test else "n/a")
+    if sample is not None:
+        log.info("with the hubness correction (%s): zero-shot mAP@all valid %s, test %s; "
+                 "generalized valid %s; test %s", hubness(cfg).as_dict(),
+                 "n/a" if valid is None else f"{valid['corrected']['map_all']:.4f}",
+                 f"{ev.corrected['map_all']:.4f}" if on_test else "n/a",
+                 "n/a" if valid is None else _generalized_text(
+                     valid["generalized"]["corrected"]),
+                 _generalized_text(ev.generalized["corrected"]) if on_test else "n/a")
     metrics = metrics_json(cfg, split, te, res, ev, train_seconds, valid)
     atomic_write_text(json.dumps(metrics, indent=2), out / "metrics.json")
     write_plots(cfg, te if on_test else va, res, ev, out)
     return metrics
+
+
+def _generalized_text(m: dict) -> str:
+    return (f"mAP@all {m['map_all']:.4f}, P@{m['k']} {m['precision_at_k']:.4f}, "
+            f"{100 * m['seen_at_k']:.0f}% of the top {m['k']} from training classes")
+
+
+# OUT/HUBNESS_SAMPLE: the training sketches' embeddings (S, width) the hubness correction
+# scores each stored photo against, with its k and weight (model.hubness)
+HUBNESS_SAMPLE = "hubness_sample.pt"
+
+
+def hubness_sample(cfg: Config, bbs: dict, res: TrainResult, tr: Dataset, tr_s: torch.Tensor,
+                   device) -> torch.Tensor | None:
+    """(S, width) the embeddings of at most cfg.hubness_sample training sketches, evenly
+    spread over them (classes are contiguous, so every class is in it), as retrieval embeds
+    sketches; None when the correction is off."""
+    if not hubness(cfg).active:
+        return None
+    pick = np.unique(np.linspace(0, len(tr_s) - 1, min(cfg.hubness_sample, len(tr_s)))
+                     .round().astype(np.int64))
+    tuned = (res.backbones or {}).get("sketch")
+    x = tr_s if tuned is None else _features(cfg, "sketch", bbs["sketch"], tr.sketches,
+                                             "train sketches", device, tuned)
+    x = x[torch.as_tensor(pick)]
+    dev = next(res.heads["sketch"].parameters()).device
+    raw = (res.raw or {}).get("sketch")
+    with torch.no_grad():
+        return embedding(embed_features(res.heads["sketch"], x, dev), x.float().cpu(),
+                         cfg.unit_embeddings, None if raw is None else raw.cpu())
 
 
 NO_TEST_NOTE = ("split none: no test classes are held out; every class but the validation "
@@ -246,6 +301,11 @@ class Evaluation:
     smoothed: dict | None = None  # against the smoothed gallery (None: smoothing off)
     service: dict | None = None  # as the service answers: smoothed gallery, expanded queries
     learned: dict | None = None  # the learned modes alone, when raw coordinates follow them
+    # the same queries against the whole gallery, training classes' photos included
+    # (metrics.generalized_metrics); None when no gallery was given
+    generalized: dict | None = None
+    # as ``service`` with the hubness correction (metrics.corrected_metrics); None when off
+    corrected: dict | None = None
 
 
 def embed_dataset(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, ds: Dataset,
@@ -279,10 +339,13 @@ def retrieval_embeddings(cfg: Config, res: TrainResult, fn: torch.Tensor, gn: to
 
 
 def evaluate(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, te: Dataset,
-             tr_s: torch.Tensor, tr_p: torch.Tensor, device) -> Evaluation:
+             tr_s: torch.Tensor, tr_p: torch.Tensor, device,
+             whole: Gallery | None = None, sample: torch.Tensor | None = None) -> Evaluation:
     """Embed the test classes with the trained heads (and backbones, if fine-tuned) and
     score them; bbs: the pretrained backbone per modality; tr_s, tr_p: (N, D) training
-    features, the PCA baseline's fit."""
+    features, the PCA baseline's fit; ``whole``: the whole gallery the generalized
+    numbers rank the test sketches against (none: not scored); ``sample``: the hubness
+    correction's sketches (hubness_sample; None: off)."""
     dev = next(res.heads["sketch"].parameters()).device
     fn, gn, te_s, te_p = embed_dataset(cfg, bbs, res, te, "test", device)
     f, g = retrieval_embeddings(cfg, res, fn, gn, te_s, te_p)
@@ -305,14 +368,21 @@ def evaluate(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, te: Datase
         service=service_metrics(f, g, *labels, cfg.k, smoothing(cfg), expansion(cfg), gallery),
         learned=(retrieval_metrics(f[:, :L], g[:, :L], *labels, cfg.k)
                  if res.raw is not None else None),
+        generalized=None if whole is None else generalized(cfg, whole, f, te, sample),
+        corrected=None if sample is None else corrected_metrics(
+            f, g, *labels, cfg.k, smoothing(cfg), expansion(cfg), hubness(cfg), sample,
+            gallery),
     )
 
 
 def evaluate_valid(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, va: Dataset,
-                   device) -> dict | None:
+                   device, whole: Gallery | None = None,
+                   sample: torch.Tensor | None = None) -> dict | None:
     """metrics.json's "valid" block: retrieval metrics of the trained embeddings on the
     validation classes, in full and by the d most significant modes (no baselines: they do
-    not depend on the trained model). None when the split has no validation classes."""
+    not depend on the trained model), against the ``whole`` gallery (generalized; null
+    without one), and with the hubness correction of ``sample`` ("corrected"; null
+    without). None when the split has no validation classes."""
     if not va.classes:
         return None
     fn, gn, x_s, x_p = embed_dataset(cfg, bbs, res, va, "valid", device)
@@ -330,6 +400,10 @@ def evaluate_valid(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, va: 
         "smoothed": smoothed_metrics(f, g, *labels, cfg.k, smoothing(cfg), gallery),
         "service": service_metrics(f, g, *labels, cfg.k, smoothing(cfg), expansion(cfg),
                                    gallery),
+        "corrected": None if sample is None else corrected_metrics(
+            f, g, *labels, cfg.k, smoothing(cfg), expansion(cfg), hubness(cfg), sample,
+            gallery),
+        "generalized": None if whole is None else generalized(cfg, whole, f, va, sample),
         "classes": list(va.classes),
         "counts": {"sketches": len(va.sketches), "photos": len(va.photos)},
     }
@@ -346,6 +420,62 @@ def valid_references(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, va
     return References({"sketch": list(va.sketches), "photo": list(va.photos)},
                       {"sketch": va.sketch_labels, "photo": va.photo_labels},
                       {"sketch": f.numpy(), "photo": g.numpy()})
+
+
+@dataclass(frozen=True)
+class Gallery:
+    """Photos of every split as a served index holds them, embedded as retrieval uses them
+    (the plain embeddings; generalized_metrics smooths them as index.build would)."""
+
+    g: torch.Tensor  # (N, width)
+    classes: tuple[str, ...]  # (N,) each photo's class
+    seen: np.ndarray  # (N,) bool: photos of the classes the heads trained on
+
+    def without(self, classes) -> Gallery:
+        """The gallery without the photos of ``classes``."""
+        keep = np.array([c not in set(classes) for c in self.classes], dtype=bool)
+        return Gallery(self.g[torch.as_tensor(keep)],
+                       tuple(c for c, k in zip(self.classes, keep, strict=True) if k),
+                       self.seen[keep])
+
+
+def whole_gallery(cfg: Config, bbs: dict[str, Backbone], res: TrainResult, tr: Dataset,
+                  others: list[Dataset], tr_p: torch.Tensor, device) -> Gallery:
+    """The photos of the training classes ``tr`` (their features ``tr_p`` (N, D), the
+    pretrained backbone's) and of each of ``others`` (held-out classes), embedded by the
+    trained model as ``retrieval_embeddings`` embeds them."""
+    tuned = (res.backbones or {}).get("photo")
+    raw = (res.raw or {}).get("photo")
+    dev = next(res.heads["photo"].parameters()).device
+    gs, classes, seen = [], [], []
+    for ds, name in [(tr, "train"), *((d, "held-out") for d in others)]:
+        if not ds.classes:
+            continue
+        x = tr_p if ds is tr and tuned is None else _features(
+            cfg, "photo", bbs["photo"], ds.photos, f"{name} photos", device, tuned)
+        with torch.no_grad():
+            gs.append(embedding(embed_features(res.heads["photo"], x, dev), x.float().cpu(),
+                                cfg.unit_embeddings, None if raw is None else raw.cpu()))
+        classes += [ds.classes[i] for i in ds.photo_labels]
+        seen += [ds is tr] * len(ds.photos)
+    return Gallery(torch.cat(gs), tuple(classes), np.array(seen, dtype=bool))
+
+
+def generalized(cfg: Config, gallery: Gallery, f: torch.Tensor, ds: Dataset,
+                sample: torch.Tensor | None = None) -> dict:
+    """metrics.generalized_metrics of the sketches of ``ds`` embedded as f (Q, width)
+    against ``gallery``, smoothed and expanded as the config says (and corrected by the
+    hubness ``sample``, when given)."""
+    index = {c: i for i, c in enumerate(dict.fromkeys(gallery.classes))}
+    missing = sorted(set(ds.classes) - set(index))
+    if missing:
+        raise ValueError(f"the gallery holds no photo of the classes {missing[:5]}")
+    q_labels = np.array([index[ds.classes[i]] for i in ds.sketch_labels], dtype=np.int64)
+    g_labels = np.array([index[c] for c in gallery.classes], dtype=np.int64)
+    return generalized_metrics(f, gallery.g, q_labels, g_labels, gallery.seen, cfg.k,
+                               smoothing(cfg), expansion(cfg), learned=cfg.modes,
+                               hubness=hubness(cfg) if sample is not None else None,
+                               sample=sample)
 
 
 def _train_orthogonality(res: TrainResult, tr_s, tr_p, device) -> dict:
@@ -382,6 +512,11 @@ def metrics_json(cfg: Config, split: dict, te: Dataset, res: TrainResult, ev: Ev
         # what /retrieve returns: that gallery, each query expanded with its best photos
         # (model.smoothing.Expansion) on the prefix it scores with
         "service": ev.service,
+        # the same sketches against the whole gallery, the training classes' photos
+        # included (generalized zero-shot retrieval; metrics.generalized_metrics)
+        "generalized": ev.generalized,
+        # "service" with the hubness correction (model.hubness; null when off)
+        "corrected": ev.corrected,
         # the CDK's Rayleigh quotients at the learned pairs (the estimate modes are ordered
         # by), and sqrt(E f^2 E g^2), first-order in the pairs' error, beside them
         "singular_values": res.singular_values.tolist(),
