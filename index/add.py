@@ -10,7 +10,8 @@ and must be the one the index was built with (its sha256). The new version repla
 current one atomically, under the index's writer lock. New photos are embedded as by
 `index.build` (`--feature-cache`, `--workers`, `--encoder`, `--precision`) and, when the
 index was built with gallery smoothing, smoothed against the stored photos by the same rule
-(the stored ones keep their vectors until a rebuild). The index's kind adds them (the code
+(the stored ones keep their vectors until a rebuild), and given their hubness penalty when
+the index stores one. The index's kind adds them (the code
 kinds encode them with their trained quantizers).
 """
 
@@ -30,12 +31,14 @@ from index.embed import (
     photo_encoder,
 )
 from index.gallery import Photo, path_hash, photo_id, scan_gallery
+from index.hubness import corrected
 from index.neighbours import smooth_added
 from index.store import GalleryIndex, IndexWriter, Sidecar, load_index, now_utc, read_sidecar
 from index.threads import set_threads
 from training import cli
 from training.allocator import tune_allocator
 from training.cdk.model.bundle import Bundle
+from training.cdk.model.hubness import Hubness
 from training.cdk.model.smoothing import Smoothing
 from training.folders import DataError
 
@@ -120,8 +123,11 @@ def append_photos(
             new, failed = part.photos, part.failed
             vectors = part.vectors[:, : current.dims]
             if current.sidecar.smoothing:  # as the build smoothed the stored photos
-                vectors = smooth_added(kind.reconstruct(index, 0, index.ntotal), vectors,
-                                       Smoothing(**current.sidecar.smoothing))
+                stored = kind.reconstruct(index, 0, index.ntotal)[:, : current.dims]
+                vectors = smooth_added(stored, vectors, Smoothing(**current.sidecar.smoothing))
+            if current.corrected:  # and corrected them
+                vectors = corrected(vectors, model.hubness_sample(),
+                                    Hubness(**current.sidecar.hubness))
             kind.add(index, vectors)
         sidecar = dataclasses.replace(
             current.sidecar, count=current.index.ntotal, created=now_utc()

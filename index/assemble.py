@@ -2,7 +2,8 @@
 
 The local (in-memory), sharded and Ray builds differ only in where the embeddings are kept
 (arrays, or shard files on disk); given the same blocks they store the same vectors:
-`assemble` smooths the gallery (`index.neighbours`, the checkpoint's rule), builds the index
+`assemble` smooths the gallery (`index.neighbours`, the model's rule), appends the hubness
+correction's coordinate when the model has one (`index.hubness`), builds the index
 of the first `dims` coordinates with its kind (`index.kinds`: chosen by size and memory
 budget when "auto"), measures its recall@k against exact search at d = 16, 64 and the stored
 dims unless the kind is exact, and commits the index, its sidecar and the photo table as a
@@ -21,6 +22,7 @@ import numpy as np
 
 from index.blocks import Block, iter_arrays, sample_vectors, total
 from index.gallery import Photo
+from index.hubness import corrected_blocks, correction_of
 from index.kinds import Kind, resolve
 from index.neighbours import Store, memory_store, smooth_blocks
 from index.search import exact_topk_blocks
@@ -111,17 +113,23 @@ def assemble(writer: IndexWriter, model, root: Path,
     `blocks` and whose rows are the `tables` one after the other; returns what was written.
     `store` keeps the smoothed blocks, `work` the code kinds' resumable work files."""
     count = total(blocks)
-    chosen, params = resolve(kind, count, dims, budget, nprobe)
-    log.info("index kind %s %s for %d vectors of %d dims", chosen.name, params, count, dims)
+    hub = correction_of(model, dims)
+    stored = dims + (1 if hub else 0)  # the penalty's coordinate after the embedding's
+    chosen, params = resolve(kind, count, stored, budget, nprobe)
+    log.info("index kind %s %s for %d vectors of %d dims", chosen.name, params, count, stored)
     smoothed = smooth_blocks(blocks, smoothing, store, budget=budget)
-    index = chosen.build(smoothed, dims, params, work, progress=progress)
+    if hub:
+        smoothed = corrected_blocks(smoothed, model.hubness_sample(), hub, store,
+                                    f"{model.sha256}|{smoothing.as_dict()}")
+    index = chosen.build(smoothed, stored, params, work, progress=progress)
     recall = {} if chosen.exact else blocks_recall(chosen, index, smoothed, recall_k,
-                                                   report_dims(dims))
+                                                   report_dims(stored))
     sidecar = new_sidecar(
         model, dims, count, chosen.name, root, params=params,
         recall={"k": recall_k, "queries": "gallery vectors",
                 "by_dims": {str(d): r for d, r in recall.items()}} if recall else {},
         smoothing=smoothing.as_dict() if smoothing.active else {},
+        hubness=hub.as_dict() if hub else {},
     )
     out = writer.commit(index, sidecar, *tables)
     del index

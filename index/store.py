@@ -97,6 +97,9 @@ class Sidecar:
     params: dict  # the kind's parameters (cells, probes, code sizes); {} for flat
     recall: dict  # recall@k against exact search measured at build ({}: an exact kind)
     smoothing: dict  # the gallery smoothing of the stored vectors ({k, weight, rounds}; {}: none)
+    # the hubness correction ({k, weight}; {}: none): the stored vectors then have one more
+    # coordinate after the dims, minus each photo's penalty (index.hubness)
+    hubness: dict
     files: dict  # {file name: {"sha256", "bytes"}} of every other file of the version
 
     def to_json(self) -> str:
@@ -130,7 +133,7 @@ def rebuild_command(folder: str | Path) -> str:
 
 def new_sidecar(model, dims: int, count: int, kind: str, photos_root: Path,
                 params: dict | None = None, recall: dict | None = None,
-                smoothing: dict | None = None) -> Sidecar:
+                smoothing: dict | None = None, hubness: dict | None = None) -> Sidecar:
     """The sidecar of a freshly built index: the model bundle's identity (`model`, a
     training.cdk.model.bundle.Bundle), the stored dims and count, the kind, now. Its file
     list is filled in when the version is written (IndexWriter.commit)."""
@@ -150,6 +153,7 @@ def new_sidecar(model, dims: int, count: int, kind: str, photos_root: Path,
         params=params or {},
         recall=recall or {},
         smoothing=smoothing or {},
+        hubness=hubness or {},
         files={},
     )
 
@@ -175,7 +179,19 @@ class GalleryIndex:
 
     @property
     def dims(self) -> int:
+        """The embedding's coordinates stored: what `dims` queries may ask for."""
         return self.sidecar.dims
+
+    @property
+    def corrected(self) -> bool:
+        """Whether the stored vectors carry the hubness correction's coordinate after the
+        dims (a full-width query then has a 1 appended: `query_width`)."""
+        return bool(self.sidecar.hubness)
+
+    def query_width(self, dims: int) -> int:
+        """The width of a `dims` query as the index is searched: dims, plus the correction's
+        coordinate for a full-width query of a corrected index."""
+        return dims + (1 if self.corrected and dims == self.dims else 0)
 
     def __len__(self) -> int:
         return len(self.photos)
@@ -190,8 +206,9 @@ class GalleryIndex:
             raise ValueError(f"queries must be (N, d); got shape {queries.shape}")
         if k < 1:
             raise ValueError(f"k={k} must be >= 1")
-        if not 1 <= queries.shape[1] <= self.dims:
-            raise ValueError(f"query has {queries.shape[1]} dims; the index stores {self.dims}")
+        if not 1 <= queries.shape[1] <= self.index.d:
+            raise ValueError(f"query has {queries.shape[1]} dims; the index stores "
+                             f"{self.index.d}")
         return self.kind.search(self.index, queries, min(k, len(self)))
 
     def vectors(self, rows: np.ndarray, dims: int | None = None) -> np.ndarray:
@@ -507,10 +524,11 @@ def _load_version(folder: Path, version: Path, model_sha256: str | None, mmap: b
             f"index {str(folder)!r} disagrees with itself: {INDEX_FILE} holds {index.ntotal} "
             f"vectors, {TABLE_FILE} {len(photos)} rows, {SIDECAR_FILE} says {sidecar.count}"
         )
-    if index.d != sidecar.dims or not 1 <= sidecar.dims <= sidecar.width:
+    extra = 1 if sidecar.hubness else 0  # the correction's coordinate
+    if index.d != sidecar.dims + extra or not 1 <= sidecar.dims <= sidecar.width:
         raise IndexCorruptError(
-            f"index {str(folder)!r} has {index.d} dims; sidecar says dims={sidecar.dims}, "
-            f"width={sidecar.width}"
+            f"index {str(folder)!r} has {index.d} dims; sidecar says dims={sidecar.dims}"
+            f"{' + 1 (hubness)' if extra else ''}, width={sidecar.width}"
         )
     if sidecar.kind not in kinds.KINDS:
         raise IndexCorruptError(f"index {str(folder)!r} is of kind {sidecar.kind!r}, which this "

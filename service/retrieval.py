@@ -154,6 +154,8 @@ class RetrievalEngine:
             timings.decode = time.perf_counter() - t0
             queries = self._embed(images, dims, timings)
             del images
+            if gallery.query_width(dims) > dims:  # the hubness correction's coordinate
+                queries = np.hstack([queries, np.ones((len(queries), 1), np.float32)])
             t0 = time.perf_counter()
             scores, rows = expanded_search(queries, k, gallery.search, gallery.vectors,
                                            gallery.pool, self.expansion,

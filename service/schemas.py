@@ -86,6 +86,8 @@ class InfoOut(BaseModel):
     mirror_queries: bool  # each sketch averaged with its mirror image (two backbone passes)
     sketch_size: int  # the side (px) query sketches are resized to before the encoder
     gallery_smoothing: dict  # the index's smoothing of photos ({k, weight, rounds}; {}: none)
+    # the hubness correction the index stores ({k, weight}; {}: none); full-width queries only
+    hubness_correction: dict
     # each query expanded with its best photos ({n, weight, rescore}; {}: none)
     query_expansion: dict
     width: int  # the embeddings' width: the learned modes, then the raw coordinates

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from training.cdk.model.hubness import Hubness
 from training.cdk.model.smoothing import Expansion, Smoothing
 
 
@@ -32,7 +33,8 @@ class FakeEncoder:
 
 
 class FakeModel:
-    def __init__(self, L: int = 8, seed: int = 0, tag: str = "fake"):
+    def __init__(self, L: int = 8, seed: int = 0, tag: str = "fake",
+                 hubness: Hubness | None = None, sample: torch.Tensor | None = None):
         self.width = self.modes = L
         self.raw_dims = 0
         self.backbone = "fake-thumbnail"
@@ -41,14 +43,20 @@ class FakeModel:
         self.sha256 = hashlib.sha256(f"{tag}-{L}-{seed}".encode()).hexdigest()
         self.device = torch.device("cpu")
         # no gallery smoothing; the cpu preset's query expansion
+        hub = hubness or Hubness(weight=0.0)  # none unless given, with its sample
         self.inference = SimpleNamespace(
             gallery_smoothing=lambda: Smoothing(k=0), query_expansion=lambda: Expansion(),
+            hubness_correction=lambda: hub,
             flip_average={"sketch": False, "photo": False}, finetuned=False)
+        self._sample = torch.zeros(0, L) if sample is None else sample
         g = torch.Generator().manual_seed(seed)
         self.singular_values = torch.linspace(1.0, 0.1, L)
         self._proj = {
             m: torch.randn(64, L, generator=g) * self.singular_values for m in ("sketch", "photo")
         }
+
+    def hubness_sample(self) -> torch.Tensor:
+        return self._sample
 
     def describe(self) -> str:
         return f"fake model L={self.width}"

@@ -33,6 +33,7 @@ def info(engine: EngineDep, settings: SettingsDep, request: Request) -> InfoOut:
         mirror_queries=engine.mirror_queries,
         sketch_size=model.size_of("sketch"),
         gallery_smoothing=side.smoothing,
+        hubness_correction=side.hubness,
         query_expansion=({**engine.expansion.as_dict(), "rescore": engine.expand_rescore}
                          if engine.expansion.active else {}),
         width=model.width,

@@ -125,6 +125,10 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
     train_sketches = scan(root).restrict([c for c in CLASSES if c not in TEST + VALID])
     torch.testing.assert_close(hub["embeddings"], torch.as_tensor(e.embed(
         [load_image(p) for p in train_sketches.sketches], "sketch")), rtol=1e-4, atol=1e-5)
+    # ... which the bundle carries, with the correction's k and weight, for index.build
+    assert model.inference.hubness == {"k": hub["k"], "weight": hub["weight"]} == {
+        "k": 10, "weight": 0.5}
+    torch.testing.assert_close(model.hubness_sample(), hub["embeddings"])
     for classes, want in ((TEST, m), (VALID, v)):  # test numbers top level, valid in "valid"
         te = scan(root).restrict(list(classes))
         f = e.embed([load_image(p) for p in te.sketches], "sketch")

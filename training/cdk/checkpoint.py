@@ -35,10 +35,15 @@ from training.files import atomic_save
 from .model.backbones import Backbone
 from .model.heads import MODALITIES, Head, RawProjection
 
-__all__ = ["FORMAT", "VERSION", "save_checkpoint", "read_checkpoint", "load_checkpoint"]
+__all__ = ["FORMAT", "HUBNESS_SAMPLE", "VERSION", "save_checkpoint", "read_checkpoint",
+           "load_checkpoint"]
 
 FORMAT = "sketchsvd-cdk"
 VERSION = 2
+# Beside the checkpoint: the training sketches' embeddings (S, width) the hubness correction
+# scores each stored photo against, with its k and weight (model.hubness); the model bundle
+# carries them
+HUBNESS_SAMPLE = "hubness_sample.pt"
 
 
 def save_checkpoint(

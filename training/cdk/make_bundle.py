@@ -34,12 +34,13 @@ import torch
 from training import cli
 from training.files import atomic_write_bytes, fsync_dir
 
-from .checkpoint import read_checkpoint
+from .checkpoint import HUBNESS_SAMPLE, read_checkpoint
 from .config import Config, from_dict, input_size
 from .data import scan
 from .model.backbones import weights_fingerprint
 from .model.bundle import (
     FORMAT,
+    HUBNESS_FILE,
     MODEL_FILE,
     VERSION,
     WEIGHTS_FILE,
@@ -89,6 +90,7 @@ def inference_of(ckpt: dict, cfg: Config) -> Inference:
         smoothing={"k": cfg.smooth_k, "weight": cfg.smooth_weight,
                    "rounds": cfg.smooth_rounds},
         expansion={"n": cfg.expand_n, "weight": cfg.expand_weight},
+        hubness={"k": cfg.hubness_k, "weight": 0.0},  # on once a sample is at hand
         singular_values=tuple(float(v) for v in ckpt["singular_values"]),
         fingerprints={},  # filled in once the backbones are built
     )
@@ -215,6 +217,24 @@ def _references(writer: _Writer, valid) -> References:
                       emb)
 
 
+def _hubness_sample(checkpoint: Path, cfg: Config, width: int) -> dict | None:
+    """What training wrote beside the checkpoint for the hubness correction ({embeddings
+    (S, width) float32, k, weight}), or None: the correction off, or no sample there (a
+    checkpoint written before it; said)."""
+    if not cfg.hubness_weight:
+        return None
+    path = checkpoint.parent / HUBNESS_SAMPLE
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+        emb = np.asarray(obj["embeddings"], dtype=np.float32)
+        if emb.ndim != 2 or emb.shape[1] != width or not np.isfinite(emb).all():
+            raise ValueError(f"it holds {emb.shape} values, not (S, {width}) finite ones")
+        return {"embeddings": emb, "k": int(obj["k"]), "weight": float(obj["weight"])}
+    except (OSError, KeyError, ValueError, RuntimeError) as err:
+        log.warning("the bundle has no hubness correction: %s: %s", path, err)
+        return None
+
+
 def _provenance(cfg: Config, ckpt_sha: str, data: str | Path | None, trained: bool) -> dict:
     """Where the model came from (a record: readers of the bundle embed without it)."""
     out = {"checkpoint_sha256": ckpt_sha, "preset": cfg.preset, "method": cfg.method,
@@ -267,6 +287,13 @@ def make_bundle(checkpoint: str | Path, out: str | Path, data: str | Path | None
     buf = io.BytesIO()
     torch.save(weights, buf)
     writer.files[WEIGHTS_FILE] = buf.getvalue()
+    sample = _hubness_sample(Path(checkpoint), cfg, inference.width)
+    if sample is not None:
+        buf = io.BytesIO()
+        np.save(buf, sample["embeddings"], allow_pickle=False)
+        writer.files[HUBNESS_FILE] = buf.getvalue()
+        inference = Inference(**{**asdict(inference), "hubness": {
+            "k": int(sample["k"]), "weight": float(sample["weight"])}})
     doc = {
         "format": FORMAT, "version": VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

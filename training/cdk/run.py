@@ -21,6 +21,7 @@ from training.files import atomic_save, atomic_write_text
 from training.folders import DataError
 
 from . import distributed
+from .checkpoint import HUBNESS_SAMPLE
 from .config import Config, expansion, fit_warnings, hubness, input_size, smoothing, to_dict
 from .data import Dataset, scan
 from .estimate import estimate_run
@@ -204,11 +205,6 @@ def _evaluate_and_write(cfg: Config, bbs: dict, res: TrainResult, split: dict, t
 def _generalized_text(m: dict) -> str:
     return (f"mAP@all {m['map_all']:.4f}, P@{m['k']} {m['precision_at_k']:.4f}, "
             f"{100 * m['seen_at_k']:.0f}% of the top {m['k']} from training classes")
-
-
-# OUT/HUBNESS_SAMPLE: the training sketches' embeddings (S, width) the hubness correction
-# scores each stored photo against, with its k and weight (model.hubness)
-HUBNESS_SAMPLE = "hubness_sample.pt"
 
 
 def hubness_sample(cfg: Config, bbs: dict, res: TrainResult, tr: Dataset, tr_s: torch.Tensor,

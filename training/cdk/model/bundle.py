@@ -12,6 +12,8 @@ service, which never need the training data, never export and never write into i
       sketch.onnx        the sketch encoder (backbone + head) in float32, ONNX Runtime
       sketch.int8.onnx   ... in int8, when it could be calibrated
       photo.onnx, photo.int8.onnx
+      hubness.npy        the training sketches the hubness correction scores photos against
+                         (S, width) float32, when the model has the correction
 
 The bundle's identity is the sha256 of its model.json, which names the sha256 of every
 other file: an index records it, and every file is checked against model.json before
@@ -38,9 +40,11 @@ from PIL import Image
 from training.images import images_to_tensor
 
 from .heads import MODALITIES
+from .hubness import Hubness
 from .smoothing import Expansion, Smoothing
 
-__all__ = ["FORMAT", "VERSION", "MODEL_FILE", "WEIGHTS_FILE", "PRECISIONS", "BundleError",
+__all__ = ["FORMAT", "VERSION", "MODEL_FILE", "WEIGHTS_FILE", "HUBNESS_FILE", "PRECISIONS",
+           "BundleError",
            "Inference", "EncoderInfo", "Bundle", "rebuild_command"]
 
 log = logging.getLogger(__name__)
@@ -49,6 +53,7 @@ FORMAT = "sketchsvd-model"
 VERSION = 1
 MODEL_FILE = "model.json"
 WEIGHTS_FILE = "weights.pt"
+HUBNESS_FILE = "hubness.npy"
 PRECISIONS = ("fp32", "int8")
 # The encoders a bundle holds: the sketch side as trained, the photo side, and, for a model
 # whose sketches are averaged with their mirror image, the sketch alone (one backbone pass).
@@ -79,7 +84,8 @@ class Inference:
     where ``flip_average[m]``; the heads (``head``: in_dim, hidden, mu) map its features to
     ``modes`` learned singular functions, scaled to unit length when ``unit_embeddings``,
     followed by ``raw_dims`` raw coordinates. ``smoothing`` is the gallery smoothing an index
-    applies to its photos, ``expansion`` the query expansion of the service;
+    applies to its photos, ``expansion`` the query expansion of the service, ``hubness``
+    the hubness correction an index stores with its photos ({k, weight}; weight 0: none);
     ``fingerprints[m]`` identify the backbones' weights (feature-cache keys)."""
 
     backbone: str
@@ -96,6 +102,7 @@ class Inference:
     head: dict[str, float]
     smoothing: dict[str, float]
     expansion: dict[str, float]
+    hubness: dict[str, float]
     singular_values: tuple[float, ...]
     fingerprints: dict[str, str]
 
@@ -113,6 +120,9 @@ class Inference:
 
     def query_expansion(self) -> Expansion:
         return Expansion(**self.expansion)
+
+    def hubness_correction(self) -> Hubness:
+        return Hubness(**self.hubness)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -301,6 +311,19 @@ class Bundle:
         except Exception as err:  # noqa: BLE001 - re-raised with the file named
             raise BundleError(f"{str(self.path / WEIGHTS_FILE)!r} is unreadable: {err}") \
                 from err
+
+    def hubness_sample(self) -> torch.Tensor:
+        """(S, width) float32: the training sketches' embeddings the hubness correction
+        scores photos against (model.hubness; an empty (0, width) when the model has none)."""
+        import numpy as np
+
+        if HUBNESS_FILE not in self.files:
+            return torch.zeros(0, self.width)
+        sample = np.load(io.BytesIO(self.read(HUBNESS_FILE)), allow_pickle=False)
+        if sample.ndim != 2 or sample.shape[1] != self.width:
+            raise BundleError(f"{str(self.path / HUBNESS_FILE)!r} holds {sample.shape}, not "
+                              f"(S, {self.width})")
+        return torch.from_numpy(np.asarray(sample, dtype=np.float32))
 
     def embedder(self, device=None, sketch_flip_average: bool | None = None):
         """The PyTorch Embedder of this bundle on ``device`` (built once per arguments)."""
