@@ -52,8 +52,9 @@ class Estimate:
         return self.steps * self.step_s + self.epochs * self.spectrum_s
 
     def text(self) -> str:
-        rates = ", ".join(f"{m}s {self.per_second[m]:.0f}/s" for m, n in self.images.items()
-                          if n)
+        plural = {"sketch": "sketches", "photo": "photos"}
+        rates = ", ".join(f"{plural[m]} {self.per_second[m]:.0f}/s"
+                          for m, n in self.images.items() if n)
         total = self.features_s + self.train_s + self.bundle_s
         return (f"estimated time: {_duration(total)}, measured on this machine before the "
                 f"first image (features of {sum(self.images.values())} images "
