@@ -26,7 +26,8 @@
 # Settings (environment): SKETCHY_DATA (required: the photo/ and sketch/ folders),
 # BASE_IMAGE (an image to build from instead of the local Debian one), LOCAL_PYPI (a folder
 # with a PEP 503 index in simple/, mounted for the builds only and passed as TORCH_INDEX;
-# default /opt/pypi-more when it holds torch; "" for PyPI alone), CHECK_GPU_BUILD (1),
+# default: the first local folder index (file://.../simple) the host's pip is configured with
+# that holds torch; "" for PyPI alone), CHECK_GPU_BUILD (1),
 # KEEP_IMAGES (1: keep sketchsvd:cpu/gpu and the base image for the next run's layer cache),
 # CHECK_TRAIN_ARGS (the compose file's TRAIN_ARGS for `train`; default none: the quick start's
 # model, whose 200 epochs take about 4 minutes on 2 cores once the features are extracted),
@@ -74,8 +75,12 @@ preconditions() {
     PHOTOS=$(mktemp -d /var/tmp/sketchsvd-photos.XXXXXX)
     LABELS=$PHOTOS.labels.json
     export TRAIN_DATA PHOTOS
-    if [[ -z "${LOCAL_PYPI+set}" && -f /opt/pypi-more/simple/torch/index.html ]]; then
-        LOCAL_PYPI=/opt/pypi-more
+    if [[ -z "${LOCAL_PYPI+set}" ]]; then  # the host pip's own local index that holds torch
+        local url
+        for url in $(python3 -m pip config get global.extra-index-url 2>/dev/null); do
+            [[ "$url" == file://*/simple && -f "${url#file://}/torch/index.html" ]] \
+                && { LOCAL_PYPI=$(dirname "${url#file://}"); break; }
+        done
     fi
     LOCAL_PYPI=${LOCAL_PYPI:-}
     SKETCHSVD_ADDRESS=127.0.0.1
