@@ -56,9 +56,9 @@ def pick_encoder(settings: Settings, model) -> Encoder:
         raise ValueError("precision int8 is the ONNX encoder's; set encoder auto or onnx, or "
                          "precision auto or fp32")
     if settings.encoder == "torch" or (settings.encoder == "auto" and cuda):
-        return TorchEncoder(model.embedder(settings.device, settings.mirror_queries))
+        return TorchEncoder(model.embedder(settings.device, settings.sketch_flip_average))
     if cuda:
         raise ValueError(f"encoder=onnx runs on the CPU, but the device is {settings.device};"
                          " set --device cpu, or encoder auto or torch")
-    name = model.encoder_name("sketch", settings.mirror_queries)
+    name = model.encoder_name("sketch", settings.sketch_flip_average)
     return model.encoder(name, settings.precision, settings.threads)

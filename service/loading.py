@@ -89,9 +89,10 @@ def load_engine(settings: Settings) -> RetrievalEngine:
                            decode_side=2 * model.size_of("sketch"),
                            embed_batch=settings.embed_batch, encoder=encoder, version=version,
                            expansion=expand, expand_rescore=settings.expand_rescore,
-                           mirror_queries=encoder_mirrors(model, settings))
+                           sketch_flip_average=encoder_mirrors(model, settings))
 
 
 def encoder_mirrors(model, settings: Settings) -> bool:
     """Whether served sketches are averaged with their mirror image."""
-    return bool(model.inference.flip_average["sketch"]) and settings.mirror_queries is not False
+    trained = bool(model.inference.flip_average["sketch"])
+    return trained and settings.sketch_flip_average is not False

@@ -81,7 +81,7 @@ class RetrievalEngine:
                  photos_root: Path | None = None, decode_side: int | None = None,
                  embed_batch: int = 16, encoder: Encoder | None = None,
                  version: str | None = None, expansion: Expansion | None = None,
-                 expand_rescore: int = RESCORE, mirror_queries: bool = False):
+                 expand_rescore: int = RESCORE, sketch_flip_average: bool = False):
         check_width(model, gallery)
         self.model = model
         self.galleries = GalleryHolder(gallery, version)
@@ -89,7 +89,7 @@ class RetrievalEngine:
         self.photos_root = Path(photos_root or gallery.sidecar.photos_root)
         # what every later version must name (service.reload)
         self.recorded_root = gallery.sidecar.photos_root
-        self.mirror_queries = mirror_queries
+        self.sketch_flip_average = sketch_flip_average
         # Uploads are shrunk while decoding to keep both sides >= decode_side (None: not
         # shrunk); the model resizes them to its input size anyway.
         self.decode_side = decode_side

@@ -83,7 +83,7 @@ class InfoOut(BaseModel):
     backbone: str
     encoder: str  # what embeds query sketches: onnxruntime or torch
     precision: str  # its arithmetic: fp32 or int8
-    mirror_queries: bool  # each sketch averaged with its mirror image (two backbone passes)
+    sketch_flip_average: bool  # each sketch averaged with its mirror image (two backbone passes)
     sketch_size: int  # the side (px) query sketches are resized to before the encoder
     gallery_smoothing: dict  # the index's smoothing of photos ({k, weight, rounds}; {}: none)
     # the hubness correction the index stores ({k, weight}; {}: none); full-width queries only

@@ -42,7 +42,8 @@ class Settings(BaseSettings):
         default=10, ge=0, description="the expanded query re-scores a pool of at least "
         "max(100, expand_rescore x k) candidates (the index kind's) instead of searching the "
         "whole index again (the same top 10 where measured); 0: a second full search")
-    mirror_queries: bool | None = Field(
+    # training.cdk's name: whether a sketch is averaged with its mirror image
+    sketch_flip_average: bool | None = Field(
         default=None, description="None: sketches embedded as the model was trained "
         "(the cpu preset embeds each sketch alone, one backbone pass; a model trained "
         "with --sketch-flip-average averages it with its mirror image: two passes); "

@@ -30,7 +30,7 @@ def info(engine: EngineDep, settings: SettingsDep, request: Request) -> InfoOut:
         backbone=model.backbone,
         encoder=engine.encoder.name,
         precision=engine.encoder.precision,
-        mirror_queries=engine.mirror_queries,
+        sketch_flip_average=engine.sketch_flip_average,
         sketch_size=model.size_of("sketch"),
         gallery_smoothing=side.smoothing,
         hubness_correction=side.hubness,

@@ -130,7 +130,7 @@ def test_top10_of_sketchy_queries_identical(sketchy_index, sketchy_mini):
 def test_single_view_queries_of_a_mirror_averaging_model(tmp_path, small_gallery,
                                                         small_sketches):
     # a model trained with --sketch-flip-average: its bundle also holds the single-view
-    # sketch graph, which --no-mirror-queries serves: the pooled features of the trunk alone
+    # sketch graph, which --no-sketch-flip-average serves: the pooled features of the trunk alone
     from training.cdk.model.backbones import global_pool
 
     model = untrained_bundle(tmp_path, modes=8, hidden=16, image_size=64, raw_dims=0,
@@ -155,8 +155,8 @@ def test_single_view_queries_of_a_mirror_averaging_model(tmp_path, small_gallery
     build_index(model, small_gallery, tmp_path / "index", progress=False)
     for mirror, expected in ((False, want), (None, TorchEncoder(both)(batch))):
         engine = load_engine(Settings(index=tmp_path / "index", device="cpu",
-                                      mirror_queries=mirror))
-        assert engine.mirror_queries is (mirror is None)
+                                      sketch_flip_average=mirror))
+        assert engine.sketch_flip_average is (mirror is None)
         np.testing.assert_allclose(engine.encoder(batch), expected, atol=ATOL, rtol=RTOL)
 
 
