@@ -1,7 +1,7 @@
-"""The whole run's time, estimated before the first image is read: the backbone and a
-training step are timed on random inputs of the run's shapes, on this machine, and scaled by
-what the run will do (the images whose features are not cached yet, the steps, the model
-bundle's int8 calibration and parity).
+"""The run's time: estimated before the first image is read (the backbone and a training
+step timed on random inputs of the run's shapes, on this machine, scaled by what the run will
+do: the images whose features are not cached yet, the steps, the model bundle's int8
+calibration and parity), then again before the first step (`estimate_text`).
 
 Frozen backbones only: a fine-tuning run's cost is its steps through the backbones, which
 train() measures before its first step.
@@ -25,7 +25,7 @@ from .model.backbones import Backbone
 from .quantize import CALIBRATION_IMAGES
 from .train import TrainData, measure_training
 
-__all__ = ["EXPORT_SECONDS", "Estimate", "estimate_run"]
+__all__ = ["EXPORT_SECONDS", "Estimate", "duration", "estimate_run", "estimate_text"]
 
 SAMPLE = 8  # images of a timed forward
 # One encoder graph exported by torch.onnx (EfficientNet-Lite1 with its head, 2 cores); the
@@ -56,15 +56,28 @@ class Estimate:
         rates = ", ".join(f"{plural[m]} {self.per_second[m]:.0f}/s"
                           for m, n in self.images.items() if n)
         total = self.features_s + self.train_s + self.bundle_s
-        return (f"estimated time: {_duration(total)}, measured on this machine before the "
+        return (f"estimated time: {duration(total)}, measured on this machine before the "
                 f"first image (features of {sum(self.images.values())} images "
-                f"{_duration(self.features_s)}{f' at {rates}' if rates else ''}; training "
-                f"{_duration(self.train_s)}: {self.steps} steps x {self.step_s:.3f} s and "
+                f"{duration(self.features_s)}{f' at {rates}' if rates else ''}; training "
+                f"{duration(self.train_s)}: {self.steps} steps x {self.step_s:.3f} s and "
                 f"{self.epochs} spectrum passes x {self.spectrum_s:.3f} s; the model bundle "
-                f"about {_duration(self.bundle_s)}; evaluation not included)")
+                f"about {duration(self.bundle_s)}; evaluation not included)")
 
 
-def _duration(seconds: float) -> str:
+def estimate_text(steps: int, step_s: float, epochs: int, spectrum_s: float,
+                  features_s: float) -> str:
+    """The run's time after its features, before its first step: training from a step and
+    a spectrum pass measured on this machine, and the evaluation images still to embed at
+    the rate the features took (none left on the frozen path with a cache; evaluation's
+    own arithmetic is small beside them)."""
+    train_s = steps * step_s + epochs * spectrum_s
+    return (f"estimated time from here: {duration(train_s + features_s)} (training "
+            f"{duration(train_s)}: {steps} steps x {step_s:.3f} s and {epochs} spectrum "
+            f"passes x {spectrum_s:.3f} s, measured here; evaluation features "
+            f"{duration(features_s)})")
+
+
+def duration(seconds: float) -> str:
     minutes, s = divmod(round(seconds), 60)
     return f"{minutes} min {s} s" if minutes else f"{s} s"
 

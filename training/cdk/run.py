@@ -24,7 +24,7 @@ from . import distributed
 from .checkpoint import HUBNESS_SAMPLE
 from .config import Config, expansion, fit_warnings, hubness, input_size, smoothing, to_dict
 from .data import Dataset, scan
-from .estimate import estimate_run
+from .estimate import estimate_run, estimate_text
 from .features import extract_features
 from .make_bundle import References, make_bundle
 from .metrics import (
@@ -48,7 +48,7 @@ from .plots import plot_gallery, plot_spectrum, plot_structure
 from .splits import split_classes
 from .train import TrainData, TrainResult, train
 
-__all__ = ["run", "estimate_text", "load_data", "embed_features", "embed_dataset",
+__all__ = ["run", "load_data", "embed_features", "embed_dataset",
            "retrieval_embeddings", "Evaluation", "evaluate", "evaluate_valid", "Gallery",
            "whole_gallery", "generalized", "metrics_json"]
 
@@ -133,24 +133,6 @@ def _evaluation_features_first(cfg: Config, bbs: dict, sets: dict[str, Dataset],
             _features(cfg, m, bbs[m], files, f"{name} {m}s", device)
             for m, files in (("sketch", d.sketches), ("photo", d.photos))])
     return 0
-
-
-def estimate_text(steps: int, step_s: float, epochs: int, spectrum_s: float,
-                  features_s: float) -> str:
-    """The run's time after its features, before its first step: training from a step and
-    a spectrum pass measured on this machine, and the evaluation images still to embed at
-    the rate the features took (none left on the frozen path with a cache; evaluation's
-    own arithmetic is small beside them)."""
-    train_s = steps * step_s + epochs * spectrum_s
-    return (f"estimated time from here: {_duration(train_s + features_s)} (training "
-            f"{_duration(train_s)}: {steps} steps x {step_s:.3f} s and {epochs} spectrum "
-            f"passes x {spectrum_s:.3f} s, measured here; evaluation features "
-            f"{_duration(features_s)})")
-
-
-def _duration(seconds: float) -> str:
-    minutes, s = divmod(round(seconds), 60)
-    return f"{minutes} min {s} s" if minutes else f"{s} s"
 
 
 def _evaluate_and_write(cfg: Config, bbs: dict, res: TrainResult, split: dict, tr: Dataset,
