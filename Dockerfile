@@ -3,11 +3,11 @@
 #   gpu            PyPI's Linux torch wheels, built with CUDA   docker build --build-arg VARIANT=gpu -t sketchsvd:gpu .
 # Both search with faiss-cpu (pyproject.toml). docker-compose.yml runs the services.
 # For hosts that reach neither Docker Hub nor the torch index (docs/deployment.md):
-#   BASE_IMAGE   a Python 3.11 image with `python` and `pip` on PATH (deploy/local-base.sh makes
-#                one with debootstrap)
-#   TORCH_INDEX  an extra package index for torch (a URL, or file:///wheels/simple mounted for
-#                the build only with `podman build -v /srv/pypi:/wheels:ro`); pip takes equal
-#                versions from it rather than from PyPI. "": PyPI alone
+#   BASE_IMAGE   an image of Python 3.11 or later (the build reads pyproject.toml with tomllib)
+#                with `python` and `pip` on PATH (deploy/local-base.sh makes one with debootstrap)
+#   TORCH_INDEX  an extra package index for torch: a URL, or file://DIR/simple for a folder
+#                index mounted for the build only (`podman build -v HOST_FOLDER:DIR:ro`); pip
+#                takes equal versions from it rather than from PyPI. "": PyPI alone
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -41,7 +41,8 @@ RUN case "${VARIANT}:${TORCH_INDEX}" in \
     esac \
     && pip install "$@" -c constraints.txt -r requirements.txt
 
-# The code last: a change to it rebuilds only the layers from here on.
+# The code last: a change to it rebuilds only the layers from here on. The packages only:
+# research/, benchmarks/ and tests/ stay out of the image.
 COPY README.md ./
 COPY training ./training
 COPY index ./index
