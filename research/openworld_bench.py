@@ -33,7 +33,7 @@ Beside them, "trained": the last TRAINED_QUERIES sketches of each training class
 the correction's sample) against the whole gallery as the service answers: what a variant
 costs the classes the heads know (optimistic: the heads trained on those sketches).
 
-    python -m research.openworld_bench --data ../shared/data/sketchy-mini --out runs/openworld \\
+    python -m research.openworld_bench --data DATA --out runs/openworld \\
         --variants default "pseudo contour" adapt csls-train --seeds 0
     python -m research.openworld_bench --out runs/openworld --report
     python -m research.openworld_bench --smoke      # seconds, on generated data
@@ -54,6 +54,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from research.common import add_data_argument, data_folder
 from training.allocator import tune_allocator
 from training.cdk.adapt import Adaptation, adapt_heads
 from training.cdk.config import (
@@ -73,7 +74,12 @@ from training.cdk.metrics import (
     service_metrics,
     stored_gallery,
 )
-from training.cdk.model.backbones import Backbone, build_backbone, with_flip_average
+from training.cdk.model.backbones import (
+    Backbone,
+    build_backbone,
+    weights_fingerprint,
+    with_flip_average,
+)
 from training.cdk.model.heads import embedding
 from training.cdk.model.hubness import Hubness, photo_penalty, with_penalty
 from training.cdk.model.smoothing import expand_exact
@@ -104,7 +110,8 @@ def _features(files, bb: Backbone, size: int, cache, desc: str) -> torch.Tensor:
     """(N, D) features of ``files``: the rows any entry of the cache holds (training's own
     entries, written per split), the rest computed and cached."""
     files = list(files)
-    have, feats = ([], None) if cache is None else find_cached(files, bb, bb.module, size, cache)
+    have, feats = ([], None) if cache is None else find_cached(
+        files, bb, weights_fingerprint(bb.module), size, cache)
     out = torch.zeros(len(files), bb.feature_dim)
     if have:
         out[torch.as_tensor(have)] = feats
@@ -407,7 +414,7 @@ def _smoke_data(root: Path) -> tuple[Path, Path]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m research.openworld_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="../shared/data/sketchy-mini")
+    add_data_argument(ap)
     ap.add_argument("--split", default="sketchy2")
     ap.add_argument("--out", default="runs/openworld")
     ap.add_argument("--variants", nargs="*", default=["default"])
@@ -446,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         args.cache_dir = str(Path(tmp.name) / "cache")
         args.folds, over, adapt_over = 2, {**SMOKE, **over}, {"steps": 3, "batch_size": 8,
                                                               **adapt_over}
+    elif not args.data:
+        data_folder(ap, args)  # exits naming how to give it
     try:
         cfg = make_config(data=args.data, split=args.split, cache_dir=args.cache_dir, **over)
         adapt_cfg = Adaptation(**adapt_over)
