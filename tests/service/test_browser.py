@@ -96,7 +96,10 @@ def test_touch_stroke_and_dims_slider(page):
     with page.expect_response(lambda r: "/retrieve?dims=3&k=6" in r.url) as resp:
         page.locator("#dims").fill("3")
     assert resp.value.json()["dims"] == 3
-    page.wait_for_function("document.getElementById('status').textContent.includes('d = 3')")
+    # predicates as functions: a bare expression is evaluated by eval, which the page's CSP
+    # (no 'unsafe-eval') refuses
+    page.wait_for_function("() => document.getElementById('status').textContent"
+                           ".includes('d = 3')")
 
 
 def test_upload_button(page, tmp_path, small_sketches):
@@ -114,7 +117,7 @@ def test_error_is_shown_for_a_bad_upload(page, tmp_path):
     with page.expect_response(lambda r: "/retrieve?" in r.url) as resp:
         page.set_input_files("#upload", str(bad))
     assert resp.value.status == 415
-    page.wait_for_function("document.getElementById('status').className === 'error'")
+    page.wait_for_function("() => document.getElementById('status').className === 'error'")
     assert "is not a PNG/JPEG/WEBP image" in page.text_content("#status")
 
 
@@ -139,7 +142,7 @@ def test_the_page_asks_for_the_key_when_the_service_needs_one(real_index, page):
         assert "needs an API key" in page.text_content("#status")
         page.fill("#api-key", "wrong")
         page.click("#key-form button")
-        page.wait_for_function("document.getElementById('status').textContent"
+        page.wait_for_function("() => document.getElementById('status').textContent"
                                ".includes('refused')")
         page.fill("#api-key", "page-key")
         page.click("#key-form button")
