@@ -101,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
                         "$SKETCHY_DATA)")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "retrieval")
     p.add_argument("--k", type=int, default=100)
+    p.add_argument("--trained", type=int, default=0, metavar="N",
+                   help="also the first N sketches of each class the model trained on, "
+                        "against every photo (its own training sketches: an optimistic "
+                        "measure of a gallery of known classes)")
     p.add_argument("--smoke", action="store_true", help="an untrained model on generated "
                    "data, a few queries: checks that the benchmark runs")
     args = p.parse_args(argv)
@@ -129,6 +133,13 @@ def report(args) -> None:
         index = build(args.model, folder, args.out / name.split()[0])
         rows[name] = scores(sketches, query(index, sketches, args.k), relevant,
                             set(trained), args.k)
+    if args.trained:
+        own_sketches = [(c, f) for c in trained
+                        for f in sorted((args.data / "sketch" / c).iterdir())[: args.trained]]
+        relevant = {c: len(list((photos / c).iterdir())) for c in trained}
+        rows["trained classes' sketches, every photo"] = scores(
+            own_sketches, query(args.out / "generalized", own_sketches, args.k), relevant,
+            set(trained), args.k)
     print(f"{len(sketches)} sketches of {len(held)} held-out classes, k={args.k}, over HTTP "
           f"({time.perf_counter() - t0:.0f} s)")
     print(f"{'gallery':<40} {'mAP@' + str(args.k):>8} {'P@10':>6} {'top-10 from trained':>20}")

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 ENCODERS = ("auto", "onnx", "torch")
 PRECISIONS = ("auto", "fp32", "int8")  # auto: the bundle's choice
 HEAD_CHUNK = 4096  # cached feature rows through the head at a time
+WORKER_TIMEOUT = 300  # seconds a decoding worker may take to deliver a batch
 # (N, 3, H, W) float32 preprocessed images -> (N, width) float32 embeddings
 PhotoEncoder = Callable[[np.ndarray], np.ndarray]
 
@@ -186,10 +187,13 @@ def embed_photos(
             out[rows] = _checked(np.asarray(emb.detach().cpu(), np.float32), len(rows), width)
             ok[rows] = True
     rest = [i for i in range(len(photos)) if not ok[i]]
+    workers = workers if rest else 0
+    # timeout: a worker that cannot hand its batch over (shared memory full, in a container)
+    # is an error naming the wait, not a hang
     loader = DataLoader(PhotoFiles([root / photos[i].path for i in rest],
                                    model.transform("photo")),
-                        batch_size=batch_size, num_workers=workers if rest else 0,
-                        collate_fn=_collate)
+                        batch_size=batch_size, num_workers=workers, collate_fn=_collate,
+                        timeout=WORKER_TIMEOUT if workers else 0)
     bar = tqdm(total=len(rest), desc="embedding photos", unit="img", disable=not progress)
     failed = []
     for idx, batch, bad in loader:  # in order

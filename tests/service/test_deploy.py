@@ -585,3 +585,17 @@ def test_deploy_scripts(script):
     if shutil.which("shellcheck"):
         result = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
         assert result.returncode == 0, result.stdout
+
+
+def test_jobs_that_index_have_room_for_decoding_workers(compose, tmp_path):
+    """index.build's decoding workers hand batches over in /dev/shm, 64 MB by default in a
+    container: too little for two batches of 32 photos (22 MB each) in flight."""
+    def mb(size: str) -> float:
+        number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg])b?", size.lower()).groups()
+        return float(number) * {"k": 2**-10, "m": 1, "g": 2**10}[unit]
+
+    for name, service in compose["services"].items():
+        modules = [parse(a, tmp_path)[0] for a in programs(service.get("command", []))
+                   if a[:2] == ["python", "-m"]]
+        if "index.build" in modules:
+            assert mb(str(service.get("shm_size", "64m"))) >= 256, name
