@@ -21,7 +21,7 @@ NAMES = sorted(m.name for m in pkgutil.iter_modules(research.__path__) if m.name
 
 def test_every_research_script_is_found():
     assert set(NAMES) == {"allocator_bench", "cdk_finetune_bench", "cdk_kernel_bench",
-                          "cdk_levers_bench", "cdk_step_bench"}
+                          "cdk_levers_bench", "cdk_step_bench", "openworld_bench"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -494,3 +494,22 @@ def test_cdk_levers_bench_smoke(tiny_data, tmp_path, capsys):
     # raw coordinates', which no variant changes)
     assert len({r["max_swap_top32"] for r in rows}) == 3
     assert len({r["max_swap_top32_norm"] for r in rows}) == 3
+
+
+def test_openworld_bench_smoke(tmp_path, capsys):
+    from research import openworld_bench
+
+    variants = ["default", "pseudo contour", "augment", "adapt + csls-gallery", "csls-train"]
+    assert openworld_bench.main(["--smoke", "--out", str(tmp_path), "--threads", "1",
+                                 "--variants", *variants]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    # every variant on both class folds and the validation classes, each with both measures
+    assert sorted({(r["variant"], r["set"]) for r in rows}) == sorted(
+        (v, s) for v in variants for s in ("valid", "fold0", "fold1"))
+    for r in rows:
+        for key in ("gen_map", "gen_p", "gen_seen", "zs_map", "zs_modes_map"):
+            assert 0 <= r[key] <= 1, (key, r)
+    by = {(r["variant"], r["set"]): r for r in rows}
+    # the search-time correction changes the scores, not the heads: the modes alone agree
+    assert by["csls-train", "fold0"]["zs_modes_map"] == by["default", "fold0"]["zs_modes_map"]
+    assert "| default | folds | 2 |" in capsys.readouterr().out
