@@ -102,3 +102,21 @@ def test_service_without_an_index(tmp_path):
 
 def test_demo_with_a_bad_flag(tmp_path):
     one_line_error(run("training.demo", "--nesting", "diagonal", cwd=tmp_path), "diagonal")
+
+
+def test_quickstart_says_what_it_needs(tmp_path):
+    """./quickstart DATA [PHOTOS] checks its arguments before it makes anything."""
+    script = str(REPO / "quickstart")
+    usage = subprocess.run([script], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "./quickstart DATA [PHOTOS]" in usage.stdout
+    (tmp_path / "photos").mkdir()
+    wrong = subprocess.run([script, str(tmp_path / "photos")], capture_output=True, text=True,
+                           timeout=60)
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip() == (f"error: {tmp_path / 'photos'} has no sketch/ and photo/ "
+                                    'folders (README, "Data")')
+    (tmp_path / "data" / "sketch").mkdir(parents=True)
+    (tmp_path / "data" / "photo").mkdir()
+    missing = subprocess.run([script, str(tmp_path / "data"), str(tmp_path / "nowhere")],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "is not a folder" in missing.stderr
