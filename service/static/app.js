@@ -134,11 +134,14 @@
       fig.className = "hit";
       const img = document.createElement("img");
       img.src = h.url;
-      img.alt = h.class;
+      // a photo without a class folder is named by its file
+      const label = h.class ?? h.path.split("/").pop();
+      img.alt = label;
       img.loading = "lazy";
       const cap = document.createElement("figcaption");
       const cls = document.createElement("span");
-      cls.textContent = h.class;
+      cls.textContent = label;
+      cls.title = h.path;
       const score = document.createElement("span");
       score.textContent = h.score.toFixed(3);
       cap.append(cls, score);
@@ -184,7 +187,8 @@
     document.getElementById("model-info").textContent =
       `${info.model} \u00b7 ${info.backbone} \u00b7 ${info.modes} modes` +
       (info.raw_dims ? ` + ${info.raw_dims} raw dims` : "") +
-      ` \u00b7 ${info.gallery_size} photos in ${info.classes} classes`;
+      ` \u00b7 ${info.gallery_size} photos` +
+      (info.classes ? ` in ${info.classes} classes` : "");
     document.body.dataset.ready = "1";
   }
 

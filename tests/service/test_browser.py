@@ -158,3 +158,41 @@ def test_the_page_asks_for_the_key_when_the_service_needs_one(real_index, page):
         hits = shown_images(page)  # <img src> of signed URLs: loaded without a header
         assert len(hits) == 6 and all("sig=" in h["src"] for h in hits)
         context.close()
+
+
+def test_a_flat_gallery_is_captioned_by_file_name(tmp_path, small_sketches):
+    """Photos without a class folder: the page names each by its file, never 'null', and
+    the model line counts photos without classes."""
+    from PIL import Image
+
+    from index.build import build_index
+    from index.store import load_index
+    from service.main import create_app
+    from service.retrieval import RetrievalEngine
+    from service.settings import Settings
+    from tests.fakes import FakeModel
+    from tests.service.conftest import serve
+
+    flat = tmp_path / "my photos"
+    flat.mkdir()
+    for i in range(6):
+        Image.new("RGB", (16, 16), (40 * i, 90, 200 - 30 * i)).save(flat / f"beach day {i}.png")
+    model = FakeModel(L=8)
+    build_index(model, flat, tmp_path / "index", progress=False)
+    settings = Settings(index=tmp_path / "index", default_k=6)
+    engine = RetrievalEngine(model, load_index(tmp_path / "index"), settings.max_pixels)
+    sketch = tmp_path / "q.png"
+    sketch.write_bytes(small_sketches[0])
+    with serve(create_app(settings, loader=lambda s: engine), settings) as url, \
+            sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=ARGS)
+        pg = browser.new_page()
+        pg.goto(url + "/")
+        pg.wait_for_selector("body[data-ready='1']", timeout=20_000)
+        assert "6 photos" in pg.text_content("#model-info")
+        assert "classes" not in pg.text_content("#model-info")
+        with pg.expect_response(lambda r: "/retrieve?" in r.url):
+            pg.set_input_files("#upload", str(sketch))
+        captions = [h["caption"] for h in shown_images(pg)]
+        browser.close()
+    assert len(captions) == 6 and all(c.startswith("beach day ") for c in captions), captions
