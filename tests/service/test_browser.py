@@ -17,16 +17,23 @@ if not CHROMIUM.is_file() and not shutil.which("chromium"):
 
 
 @pytest.fixture(scope="module")
-def page(live_server):
+def browser():
+    """One Chromium for the module: Playwright's sync API allows one driver per thread."""
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=ARGS)
-        context = browser.new_context(has_touch=True, viewport={"width": 1000, "height": 800})
-        context.add_init_script(CSP_WATCH)
-        pg = context.new_page()
-        pg.csp = pg.goto(live_server + "/").headers.get("content-security-policy")
-        pg.wait_for_selector("body[data-ready='1']", timeout=20_000)
-        yield pg
+        yield browser
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser, live_server):
+    context = browser.new_context(has_touch=True, viewport={"width": 1000, "height": 800})
+    context.add_init_script(CSP_WATCH)
+    pg = context.new_page()
+    pg.csp = pg.goto(live_server + "/").headers.get("content-security-policy")
+    pg.wait_for_selector("body[data-ready='1']", timeout=20_000)
+    yield pg
+    context.close()
 
 
 # Every violation of the page's content security policy, as the browser reports it.
@@ -127,7 +134,7 @@ def test_drawing_and_uploading_break_no_rule_of_the_pages_policy(page):
     assert page.evaluate("window.cspViolations") == []
 
 
-def test_the_page_asks_for_the_key_when_the_service_needs_one(real_index, page):
+def test_the_page_asks_for_the_key_when_the_service_needs_one(real_index, browser):
     from service.main import create_app
     from service.settings import Settings
     from tests.service.conftest import serve
@@ -135,7 +142,7 @@ def test_the_page_asks_for_the_key_when_the_service_needs_one(real_index, page):
     settings = Settings(index=real_index, max_k=20, default_k=6, api_keys=["page-key"],
                         encoder="torch")
     with serve(create_app(settings), settings) as url:
-        context = page.context.browser.new_context()  # the module's browser, a fresh session
+        context = browser.new_context()  # the module's browser, a fresh session
         page = context.new_page()
         page.goto(url + "/")  # the page itself is open
         page.wait_for_selector("#key-form:not([hidden])", timeout=20_000)
@@ -160,7 +167,7 @@ def test_the_page_asks_for_the_key_when_the_service_needs_one(real_index, page):
         context.close()
 
 
-def test_a_flat_gallery_is_captioned_by_file_name(tmp_path, small_sketches):
+def test_a_flat_gallery_is_captioned_by_file_name(browser, tmp_path, small_sketches):
     """Photos without a class folder: the page names each by its file, never 'null', and
     the model line counts photos without classes."""
     from PIL import Image
@@ -183,10 +190,9 @@ def test_a_flat_gallery_is_captioned_by_file_name(tmp_path, small_sketches):
     engine = RetrievalEngine(model, load_index(tmp_path / "index"), settings.max_pixels)
     sketch = tmp_path / "q.png"
     sketch.write_bytes(small_sketches[0])
-    with serve(create_app(settings, loader=lambda s: engine), settings) as url, \
-            sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=ARGS)
-        pg = browser.new_page()
+    with serve(create_app(settings, loader=lambda s: engine), settings) as url:
+        context = browser.new_context()
+        pg = context.new_page()
         pg.goto(url + "/")
         pg.wait_for_selector("body[data-ready='1']", timeout=20_000)
         assert "6 photos" in pg.text_content("#model-info")
@@ -194,5 +200,5 @@ def test_a_flat_gallery_is_captioned_by_file_name(tmp_path, small_sketches):
         with pg.expect_response(lambda r: "/retrieve?" in r.url):
             pg.set_input_files("#upload", str(sketch))
         captions = [h["caption"] for h in shown_images(pg)]
-        browser.close()
+        context.close()
     assert len(captions) == 6 and all(c.startswith("beach day ") for c in captions), captions
