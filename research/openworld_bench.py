@@ -27,7 +27,10 @@ Variants (VARIANTS; "+" combines):
   local scaling, training.cdk.model.hubness): each photo's score lowered by CSLS_WEIGHT x
   its mean score against its CSLS_K nearest sketches of a fixed sample (the training
   sketches, or pseudo-sketches of the gallery's photos), stored as one more coordinate of
-  the photo (the query's is 1), so a flat inner-product index serves it.
+  the photo (the query's is 1), so a flat inner-product index serves it; "floor Q" with
+  it: only the part of a photo's mean score above the Q-quantile of the training photos'
+  own mean scores is a penalty (max(0, r - floor));
+- modes A: the queries' learned modes scaled by A (the photos as stored).
 
 Beside them, "trained": the last TRAINED_QUERIES sketches of each training class (not in
 the correction's sample) against the whole gallery as the service answers: what a variant
@@ -210,13 +213,23 @@ def _embed(cfg: Config, heads: dict, raw: dict | None, m: str, x: torch.Tensor) 
     return embedding(z, x, cfg.unit_embeddings, None if raw is None else raw[m])
 
 
+def _penalty(g: torch.Tensor, sample: torch.Tensor, hub: Hubness, floor: float | None
+             ) -> torch.Tensor:
+    """model.hubness.photo_penalty, or with a ``floor``: weight x max(0, r - floor), r the
+    photos' mean score against their K best sample sketches."""
+    if floor is None:
+        return photo_penalty(g, sample, hub)
+    return hub.weight * (photo_penalty(g, sample, Hubness(hub.k, 1.0)) - floor).clamp_min(0)
+
+
 def score(cfg: Config, f: torch.Tensor, g: torch.Tensor, F: dict, rows: dict,
           csls: torch.Tensor | None = None, csls_weight: float = CSLS_WEIGHT,
-          csls_k: int = CSLS_K) -> dict:
+          csls_k: int = CSLS_K, floor: float | None = None) -> dict:
     """The table's numbers of sketches f (held-out) against photos g (every non-test photo),
     rows: {"held_p": bool mask over g of the held-out photos, "seen": of training photos,
     "q_labels"}; csls: a sketch sample to correct the scores by (model.hubness with
-    csls_k, csls_weight), or None."""
+    csls_k, csls_weight; with ``floor``, only the part of a photo's mean score above it), or
+    None."""
     ql, gl = rows["q_labels"], np.asarray(F["photo_labels"])
     sm, ex, k, L = smoothing(cfg), expansion(cfg), cfg.k, cfg.modes
     held = torch.as_tensor(rows["held_p"])
@@ -228,8 +241,8 @@ def score(cfg: Config, f: torch.Tensor, g: torch.Tensor, F: dict, rows: dict,
         fq = f
         if csls is not None:  # the stored photos carry the penalty; the plain ones their own
             hub = Hubness(csls_k, csls_weight)
-            fq, gallery = with_penalty(f, gallery, photo_penalty(gallery, csls, hub))
-            gg = with_penalty(f, gg, photo_penalty(gg, csls, hub))[1]
+            fq, gallery = with_penalty(f, gallery, _penalty(gallery, csls, hub, floor))
+            gg = with_penalty(f, gg, _penalty(gg, csls, hub, floor))[1]
         if mask is None:
             m = generalized_metrics(fq, gg, ql, labels, rows["seen"], k, sm, ex,
                                     learned=L, gallery=gallery)
@@ -264,7 +277,7 @@ def parse_variant(name: str) -> dict:
     "gallery", "csls_weight", "csls_k"} of a variant name ("+" between parts; "csls-train
     W K": weight W and K neighbours instead of CSLS_WEIGHT and CSLS_K)."""
     spec = {"pseudo": [], "augment": False, "adapt": False, "csls": None,
-            "csls_weight": CSLS_WEIGHT, "csls_k": CSLS_K}
+            "csls_weight": CSLS_WEIGHT, "csls_k": CSLS_K, "modes": 1.0, "floor": None}
     for part in (p.strip() for p in name.split("+")):
         words = part.split()
         if part == "default":
@@ -273,6 +286,10 @@ def parse_variant(name: str) -> dict:
             spec["pseudo"] = words[1:]
         elif part in ("augment", "adapt"):
             spec[part] = True
+        elif words[0] == "modes" and len(words) == 2:
+            spec["modes"] = float(words[1])
+        elif words[0] == "floor" and len(words) == 2:
+            spec["floor"] = float(words[1])
         elif words[0] in ("csls-train", "csls-gallery") and len(words) in (1, 3):
             spec["csls"] = words[0].split("-")[1]
             if len(words) == 3:
@@ -334,14 +351,23 @@ def run_set(cfg: Config, F: dict, held: list[str], variants: list[str], adapt_cf
         g = _embed(cfg, heads, res.raw, "photo", F["photo"])
         rows["trained_f"] = _embed(cfg, heads, res.raw, "sketch",
                                    F["sketch"][torch.as_tensor(trained_q)])
+        if spec["modes"] != 1.0:  # the queries' learned modes scaled, the photos as stored
+            for q in (f, rows["trained_f"]):
+                q[:, :cfg.modes] *= spec["modes"]
         sample = None
         if spec["csls"] == "train":
             sample = _embed(cfg, heads, res.raw, "sketch",
                             F["sketch"][torch.as_tensor(train_s & ~trained_q)])
         elif spec["csls"] == "gallery":
             sample = _embed(cfg, heads, res.raw, "sketch", F["views"][adapt_style])
+        floor = None
+        if spec["floor"] is not None and sample is not None:  # a quantile of the training
+            # photos' own mean scores (plain, as embedded), as training would compute it
+            r_train = photo_penalty(g[torch.as_tensor(train_p)], sample,
+                                    Hubness(spec["csls_k"], 1.0))
+            floor = float(torch.quantile(r_train.double(), spec["floor"]))
         r = {"variant": name, "set": set_name, "seed": cfg.seed, "held_out": len(held),
-             **score(cfg, f, g, F, rows, sample, spec["csls_weight"], spec["csls_k"]),
+             **score(cfg, f, g, F, rows, sample, spec["csls_weight"], spec["csls_k"], floor),
              "train_seconds": seconds,
              "extra_seconds": time.perf_counter() - t0, "load": os.getloadavg()[0]}
         results.append(r)

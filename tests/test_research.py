@@ -499,7 +499,8 @@ def test_cdk_levers_bench_smoke(tiny_data, tmp_path, capsys):
 def test_openworld_bench_smoke(tmp_path, capsys):
     from research import openworld_bench
 
-    variants = ["default", "pseudo contour", "augment", "adapt + csls-gallery", "csls-train"]
+    variants = ["default", "pseudo contour", "augment", "adapt + csls-gallery", "csls-train",
+                "modes 0.5 + csls-train + floor 0.05"]
     assert openworld_bench.main(["--smoke", "--out", str(tmp_path), "--threads", "1",
                                  "--variants", *variants]) == 0
     rows = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
@@ -512,4 +513,26 @@ def test_openworld_bench_smoke(tmp_path, capsys):
     by = {(r["variant"], r["set"]): r for r in rows}
     # the search-time correction changes the scores, not the heads: the modes alone agree
     assert by["csls-train", "fold0"]["zs_modes_map"] == by["default", "fold0"]["zs_modes_map"]
+    # scaling a query's modes changes no ranking by the modes alone
+    assert by["modes 0.5 + csls-train + floor 0.05", "fold0"]["zs_modes_map"] == pytest.approx(
+        by["default", "fold0"]["zs_modes_map"])
     assert "| default | folds | 2 |" in capsys.readouterr().out
+
+
+def test_openworld_floor_penalty_is_the_correction_above_the_floor():
+    """A floor under every photo's mean score shifts every penalty by weight x floor (no
+    ranking changes); a floor above them all leaves no penalty."""
+    import torch
+
+    from research.openworld_bench import _penalty
+    from training.cdk.model.hubness import Hubness, photo_penalty
+
+    g, sample = torch.randn(40, 6, generator=torch.Generator().manual_seed(0)), \
+        torch.randn(30, 6, generator=torch.Generator().manual_seed(1))
+    hub = Hubness(5, 0.7)
+    plain = photo_penalty(g, sample, hub)
+    r = plain / hub.weight
+    low, high = float(r.min()) - 1.0, float(r.max()) + 1.0
+    assert torch.allclose(_penalty(g, sample, hub, None), plain)
+    assert torch.allclose(_penalty(g, sample, hub, low), plain - hub.weight * low, atol=1e-5)
+    assert torch.equal(_penalty(g, sample, hub, high), torch.zeros(40))
