@@ -274,8 +274,9 @@ VARIANTS = ("default", "pseudo contour", "pseudo detail", "pseudo canny",
 
 def parse_variant(name: str) -> dict:
     """{"pseudo": [styles], "augment": bool, "adapt": bool, "csls": None | "train" |
-    "gallery", "csls_weight", "csls_k"} of a variant name ("+" between parts; "csls-train
-    W K": weight W and K neighbours instead of CSLS_WEIGHT and CSLS_K)."""
+    "gallery", "csls_weight", "csls_k", "modes": the queries' mode scale, "floor": None | a
+    quantile} of a variant name ("+" between parts; "csls-train W K": weight W and K
+    neighbours instead of CSLS_WEIGHT and CSLS_K; "modes A"; "floor Q")."""
     spec = {"pseudo": [], "augment": False, "adapt": False, "csls": None,
             "csls_weight": CSLS_WEIGHT, "csls_k": CSLS_K, "modes": 1.0, "floor": None}
     for part in (p.strip() for p in name.split("+")):
