@@ -8,7 +8,8 @@ photo's class is the first folder below that root, as in a build. Photos already
 index (the same file) are skipped. The model defaults to the bundle recorded in the sidecar
 and must be the one the index was built with (its sha256). The new version replaces the
 current one atomically, under the index's writer lock. New photos are embedded as by
-`index.build` (`--feature-cache`, `--workers`, `--encoder`, `--precision`) and, when the
+`index.build` (`--feature-cache`, `--workers`, `--encoder`, `--precision`), in the views
+its photos were embedded in (the sidecar's `photo_views`) and, when the
 index was built with gallery smoothing, smoothed against the stored photos by the same rule
 (the stored ones keep their vectors until a rebuild), and given their hubness penalty when
 the index stores one. The index's kind adds them (the code
@@ -113,12 +114,14 @@ def append_photos(
             parts = PurePosixPath(rel).parts
             taken.add(pid)
             new.append(Photo(id=pid, cls=parts[0] if len(parts) > 1 else "", path=rel))
-        cached = cached_features(model, old_root, new, feature_cache if new else None)
+        views = current.sidecar.photo_views  # as the index's photos were embedded
+        cached = cached_features(model, old_root, new, feature_cache if new else None, views)
         failed = []
         if new:
             kind, index = current.kind, current.index
             part = embed_photos(model, old_root, new,
-                                photo_encoder(model, threads, encoder, precision, device),
+                                photo_encoder(model, threads, encoder, precision, device,
+                                              views),
                                 batch_size, progress, cached, workers)
             new, failed = part.photos, part.failed
             vectors = part.vectors[:, : current.dims]

@@ -108,9 +108,10 @@ def assemble(writer: IndexWriter, model, root: Path,
              kind: str = "auto", budget: int | None = None, nprobe: int = 0,
              smoothing: Smoothing = NO_SMOOTHING, recall_k: int = 10,
              store: Store = memory_store, work: Path | None = None,
-             progress: bool = False) -> Assembled:
+             progress: bool = False, photo_views: int = 1) -> Assembled:
     """Smooth, index, measure and commit the gallery whose embeddings (N, width) are
-    `blocks` and whose rows are the `tables` one after the other; returns what was written.
+    `blocks` (its photos in `photo_views`) and whose rows are the `tables` one after the
+    other; returns what was written.
     `store` keeps the smoothed blocks, `work` the code kinds' resumable work files."""
     count = total(blocks)
     hub = correction_of(model, dims)
@@ -130,6 +131,7 @@ def assemble(writer: IndexWriter, model, root: Path,
                 "by_dims": {str(d): r for d, r in recall.items()}} if recall else {},
         smoothing=smoothing.as_dict() if smoothing.active else {},
         hubness=hub.as_dict() if hub else {},
+        photo_views=photo_views,
     )
     out = writer.commit(index, sidecar, *tables)
     del index

@@ -31,7 +31,14 @@ from pathlib import Path
 
 from index.assemble import BuildReport, assemble, check_dims
 from index.blocks import array_blocks
-from index.embed import ENCODERS, PRECISIONS, embed_slice, feature_cache_dir, photo_encoder
+from index.embed import (
+    ENCODERS,
+    PRECISIONS,
+    VIEWS,
+    embed_slice,
+    feature_cache_dir,
+    photo_encoder,
+)
 from index.errors import IndexStoreError
 from index.gallery import scan_gallery
 from index.kinds import KINDS, get, parse_bytes
@@ -63,6 +70,9 @@ class BuildConfig:
     workers: int = 1  # DataLoader processes decoding photos; 0: the main one
     encoder: str = "auto"  # photo encoder: auto (ONNX Runtime on CPU) | onnx | torch
     precision: str = "auto"  # ONNX graph: auto (the bundle's choice) | fp32 | int8
+    # 1: each photo in one view (one backbone pass); 2: averaged with its mirror image, as
+    # the model was trained (twice the work; reads training's cached features)
+    photo_views: int = 1
     progress: bool = True
     # Gallery smoothing (training.cdk.model.smoothing) of the stored photo vectors; None: the
     # bundle's values (training's --smooth-*); --smooth-k 0 stores the plain embeddings.
@@ -101,13 +111,14 @@ def build_index(
     nprobe: int = 0,
     precision: str = "auto",
     device: str | None = None,
+    photo_views: int = 1,
 ) -> BuildReport:
     """Embed the gallery `photos` with `model` (a Bundle) in memory and write an index
     folder at `out` (the new version replaces the current one atomically; another writer of
     `out` is an IndexLockedError). `feature_cache`: training's feature cache folder to reuse
     photo features from (None: none); `workers`: DataLoader processes decoding the other
     photos (0: this one); `smoothing`: of the stored vectors (None: the model's); `encoder`,
-    `precision`, `device`: the photo encoder (`index.embed.photo_encoder`)."""
+    `precision`, `device`, `photo_views`: the photo encoder (`index.embed.photo_encoder`)."""
     start = time.perf_counter()
     dims = check_dims(model, dims)
     if smoothing is None:
@@ -120,11 +131,11 @@ def build_index(
     log.info("gallery %s: %s", scan.root, scan.summary())
     gallery = scan.photos
     with IndexWriter(out) as writer:  # held while embedding: a second writer fails at once
-        enc = photo_encoder(model, threads, encoder, precision, device)
+        enc = photo_encoder(model, threads, encoder, precision, device, photo_views)
         t0, blocks, kept, failed, cached = time.perf_counter(), [], [], [], 0
         for s in range(0, len(gallery), shard_size):  # a sharded build's slices: same bits
             part = embed_slice(model, enc, scan.root, gallery[s : s + shard_size],
-                               feature_cache, batch_size, workers, progress)
+                               feature_cache, batch_size, workers, progress, photo_views)
             blocks += array_blocks(part.vectors, offset=len(kept))
             kept += part.photos
             failed += part.failed
@@ -135,22 +146,23 @@ def build_index(
                              f"the first failed with: {failed[0][1]}")
         built = assemble(writer, model, scan.root, [kept], blocks, dims, kind,
                          parse_bytes(max_index_memory) if max_index_memory else None, nprobe,
-                         smoothing, recall_k, progress=progress)
+                         smoothing, recall_k, progress=progress, photo_views=photo_views)
     return BuildReport(built.out, built.sidecar, built.recall, time.perf_counter() - start,
                        cached, len(gallery), 0, built.index_bytes, embed_s,
                        f"{enc.name} {enc.precision}", scan.skipped,
                        [(p.path, why) for p, why in failed])
 
 
-def is_current(out: str | Path, model, photos: str | Path) -> bool:
+def is_current(out: str | Path, model, photos: str | Path, photo_views: int = 1) -> bool:
     """Whether the index at `out` holds exactly the photos of `photos` (same root, same
-    paths) embedded by `model` (same bundle sha256)."""
+    paths) embedded by `model` (same bundle sha256) in `photo_views`."""
     try:
         current = load_index(out, model_sha256=model.sha256)
     except (IndexStoreError, OSError):
         return False
     scan = scan_gallery(photos)
-    return (Path(current.sidecar.photos_root) == scan.root
+    return (current.sidecar.photo_views == photo_views
+            and Path(current.sidecar.photos_root) == scan.root
             and sorted(p.path for p in current.photos) == sorted(p.path for p in scan.photos))
 
 
@@ -162,7 +174,7 @@ def parse_args(argv: list[str] | None = None) -> BuildConfig:
         prog="python -m index.build",
         description=__doc__,
         choices={"kind": ["auto", *KINDS], "engine": list(ENGINES), "encoder": list(ENCODERS),
-                 "precision": list(PRECISIONS)},
+                 "precision": list(PRECISIONS), "photo_views": list(VIEWS)},
         required=("model", "photos", "out"),
     )
     return cli.parse(parser, BuildConfig, argv)
@@ -177,7 +189,7 @@ def _main(argv: list[str]) -> int:
     cfg = parse_args(argv)
     set_threads(cfg.threads)
     model = Bundle.open(cfg.model)
-    if cfg.reuse and is_current(cfg.out, model, cfg.photos):
+    if cfg.reuse and is_current(cfg.out, model, cfg.photos, cfg.photo_views):
         print(f"index {cfg.out} was built with this model from these photos: kept")
         print(f"serve it: python -m service --index {cfg.out}")
         return 0
@@ -187,7 +199,8 @@ def _main(argv: list[str]) -> int:
                   recall_k=cfg.recall_k, progress=cfg.progress, feature_cache=cache,
                   workers=cfg.workers, smoothing=smoothing, encoder=cfg.encoder,
                   precision=cfg.precision, threads=cfg.threads, shard_size=cfg.shard_size,
-                  max_index_memory=cfg.max_index_memory, nprobe=cfg.nprobe, device=cfg.device)
+                  max_index_memory=cfg.max_index_memory, nprobe=cfg.nprobe, device=cfg.device,
+                  photo_views=cfg.photo_views)
     if cfg.engine != "local" or cfg.max_index_memory or (
             cfg.kind != "auto" and get(cfg.kind).streams):
         report = build_sharded(model, cfg.photos, cfg.out, **common, engine=cfg.engine,
@@ -218,7 +231,8 @@ def print_report(report: BuildReport, recall_k: int, cache: str | None) -> None:
         by = (f", {report.embedded - report.from_cache} by the {report.encoder} photo encoder"
               if report.encoder else "")
         print(f"  embedding: {report.embedded} photos in {report.embed_seconds:.1f}s "
-              f"({report.embedded / max(report.embed_seconds, 1e-9):.1f} photos/s{by})")
+              f"({report.embedded / max(report.embed_seconds, 1e-9):.1f} photos/s{by}), "
+              + ("each averaged with its mirror image" if s.photo_views == 2 else "one view each"))
     print(f"  backbone features of {report.from_cache} of {report.embedded} embedded photos "
           f"from the feature cache {cache}" if cache else "  feature cache: not used")
     print(f"  gallery smoothing: {s.smoothing['k']} neighbours, weight {s.smoothing['weight']}, "

@@ -3,10 +3,15 @@ exist, else the model bundle's photo encoder, with photos decoded in worker proc
 
 The photo encoder is the bundle's photo graph run by ONNX Runtime on the CPU (in the
 precision the bundle chose when it was written, or the one asked for), or on CUDA the
-bundle's PyTorch modules. ONNX Runtime gives each image the same bits whatever batch it is
-in, so every build path (local, shards, Ray actors) stores the same vectors for the same
-photos: they all embed a gallery slice by slice with `embed_slice`, and the slices are the
-shards.
+bundle's PyTorch modules. A model trained on photo features averaged with their mirror
+image's embeds each photo in one view by default (`views` 1: the bundle's
+`photo-single-view` graph, one backbone pass a photo instead of two, for a few thousandths
+of mAP: docs/index.md); `views` 2 averages as training did. The index records which
+(`Sidecar.photo_views`), and `index.add` follows it.
+
+ONNX Runtime gives each image the same bits whatever batch it is in, so every build path
+(local, shards, Ray actors) stores the same vectors for the same photos: they all embed a
+gallery slice by slice with `embed_slice`, and the slices are the shards.
 
 Photos whose frozen-backbone features training cached (`training.cdk.features`, the cache
 the bundle names) skip the backbone and only go through the photo head
@@ -32,13 +37,14 @@ from index.gallery import Photo
 from training.cdk.features import find_cached
 from training.images import ImageError, load_image
 
-__all__ = ["ENCODERS", "PRECISIONS", "Embedded", "PhotoEncoder", "feature_cache_dir",
-           "cached_features", "photo_encoder", "embed_photos", "embed_slice"]
+__all__ = ["ENCODERS", "PRECISIONS", "VIEWS", "Embedded", "PhotoEncoder", "check_views",
+           "feature_cache_dir", "cached_features", "photo_encoder", "embed_photos", "embed_slice"]
 
 log = logging.getLogger(__name__)
 
 ENCODERS = ("auto", "onnx", "torch")
 PRECISIONS = ("auto", "fp32", "int8")  # auto: the bundle's choice
+VIEWS = (1, 2)  # a photo alone, or averaged with its mirror image (as training did)
 HEAD_CHUNK = 4096  # cached feature rows through the head at a time
 WORKER_TIMEOUT = 300  # seconds a decoding worker may take to deliver a batch
 # (N, 3, H, W) float32 preprocessed images -> (N, width) float32 embeddings
@@ -78,21 +84,33 @@ def feature_cache_dir(flag: str | None, model) -> str | None:
     return folder if folder and Path(folder).is_dir() else None
 
 
-def cached_features(model, root: Path, photos: list[Photo], cache_dir: str | Path | None
-                    ) -> tuple[list[int], torch.Tensor]:
+def check_views(model, views: int) -> bool:
+    """Whether `views` (VIEWS) averages each photo with its mirror image for `model`; a
+    ValueError for 2 where the model was trained on photos in one view."""
+    if views not in VIEWS:
+        raise ValueError(f"photo views must be one of {VIEWS}, got {views!r}")
+    if views == 2 and not model.inference.flip_average["photo"]:
+        raise ValueError("this model was trained on photos in one view: --photo-views 1")
+    return views == 2
+
+
+def cached_features(model, root: Path, photos: list[Photo], cache_dir: str | Path | None,
+                    views: int = 1) -> tuple[list[int], torch.Tensor]:
     """Backbone features of those `photos` that training cached in `cache_dir` for the
-    model's photo backbone (same weights, input size and normalisation; entries whose files
-    changed are never used: `training.cdk.features.find_cached`): (positions (K,),
-    features (K, D)). Nothing when `cache_dir` is None, nor for a fine-tuned model, whose
-    photos always go through its own backbone."""
+    model's photo backbone in `views` (same weights, input size, normalisation and mirror
+    averaging; entries whose files changed are never used:
+    `training.cdk.features.find_cached`): (positions (K,), features (K, D)). Nothing when
+    `cache_dir` is None, nor for a fine-tuned model, whose photos always go through its own
+    backbone."""
     inf = model.inference
+    mirror = check_views(model, views)
     if cache_dir is None or not photos:
         return [], torch.zeros(0, 0)
     if inf.finetuned:
         log.info("fine-tuned backbone: every photo goes through it, none from %s", cache_dir)
         return [], torch.zeros(0, 0)
-    key = FeatureKey(inf.backbone, tuple(inf.mean), tuple(inf.std), inf.flip_average["photo"],
-                     inf.pooling, inf.feature_dim)
+    key = FeatureKey(inf.backbone, tuple(inf.mean), tuple(inf.std), mirror, inf.pooling,
+                     inf.feature_dim)
     positions, feats = find_cached([root / p.path for p in photos], key,
                                    inf.fingerprints["photo"], inf.size_of("photo"), cache_dir)
     log.info("feature cache %s holds the backbone features of %d of %d photos", cache_dir,
@@ -115,10 +133,11 @@ class TorchPhotos:
 
 
 def photo_encoder(model, threads: int = 2, choice: str = "auto", precision: str = "auto",
-                  device: str | None = None) -> PhotoEncoder:
-    """The photo encoder of `model` (a Bundle): "onnx" (its photo graph on the CPU, in
-    `precision`: auto is the bundle's choice), "torch" (its PyTorch modules on `device`),
-    or "auto": ONNX Runtime on the CPU, PyTorch on CUDA."""
+                  device: str | None = None, views: int = 1) -> PhotoEncoder:
+    """The photo encoder of `model` (a Bundle) in `views` (VIEWS): "onnx" (its photo graph
+    on the CPU, in `precision`: auto is the bundle's choice), "torch" (its PyTorch modules
+    on `device`), or "auto": ONNX Runtime on the CPU, PyTorch on CUDA."""
+    mirror = check_views(model, views)
     if choice not in ENCODERS:
         raise ValueError(f"unknown photo encoder {choice!r}; choose one of {', '.join(ENCODERS)}")
     if precision not in PRECISIONS:
@@ -129,8 +148,8 @@ def photo_encoder(model, threads: int = 2, choice: str = "auto", precision: str 
         if precision == "int8":
             raise ValueError("--precision int8 needs the ONNX Runtime photo encoder (--encoder "
                              "onnx, or auto on a CPU); the PyTorch encoder runs in float32")
-        return TorchPhotos(model.embedder(device))
-    return model.encoder("photo", precision, threads)
+        return TorchPhotos(model.embedder(device, photo_flip_average=mirror))
+    return model.encoder(model.encoder_name("photo", mirror), precision, threads)
 
 
 class PhotoFiles(torch.utils.data.Dataset):
@@ -217,9 +236,10 @@ def embed_photos(
 
 def embed_slice(model, encoder: PhotoEncoder, root: Path, photos: list[Photo],
                 cache_dir: str | Path | None, batch_size: int = 32, workers: int = 0,
-                progress: bool = False) -> Embedded:
-    """One gallery slice (a shard) embedded as every build path does it."""
-    cached = cached_features(model, root, photos, cache_dir)
+                progress: bool = False, views: int = 1) -> Embedded:
+    """One gallery slice (a shard) embedded as every build path does it (`encoder` in
+    `views`, from `photo_encoder`)."""
+    cached = cached_features(model, root, photos, cache_dir, views)
     return embed_photos(model, root, photos, encoder, batch_size, progress, cached, workers)
 
 

@@ -59,7 +59,8 @@ class ShardWriter:
                 f"the model bundle opened on this worker has sha256 {self.model.sha256[:16]}"
                 f"..., the driver's {plan_fields['model_sha256'][:16]}...: the nodes do not "
                 "see the same bundle")
-        self.encoder = photo_encoder(self.model, threads, encoder, precision, device)
+        self.encoder = photo_encoder(self.model, threads, encoder, precision, device,
+                                     plan_fields["views"])
         self.batch_size, self.cache_dir = batch_size, cache_dir
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -71,7 +72,7 @@ class ShardWriter:
             shard = Shard(int(number), int(start), str(key), photos)
             plan = ShardPlan(shards=(shard,), **self.fields)
             part = embed_slice(self.model, self.encoder, plan.root, list(photos),
-                               self.cache_dir, self.batch_size)
+                               self.cache_dir, self.batch_size, views=plan.views)
             write_shard(plan, shard, part)
             counts.append(len(photos))
             cached.append(part.from_cache)
@@ -102,9 +103,9 @@ def embed_ray(plan: ShardPlan, shards: list[Shard], load: Callable[[], Bundle],
     """Embed `shards` with a pool of Ray actors; returns (photos embedded, how many of them
     came from the feature cache).
 
-    `load` opens the model bundle in each actor; each runs the photo encoder of the
-    precision the driver settled (`index.sharded.build_sharded`: fp32 or int8). `actors`
-    = 0: one per GPU when the cluster has GPUs, else one per CPU. A local Ray (no
+    `load` opens the model bundle in each actor; each runs the photo encoder in the plan's
+    views and of the precision the driver settled (`index.sharded.build_sharded`: fp32 or
+    int8). `actors` = 0: one per GPU when the cluster has GPUs, else one per CPU. A local Ray (no
     `address`, none running) gets `num_cpus` CPUs and is shut down at the end.
     """
     if not shards:
@@ -117,7 +118,7 @@ def embed_ray(plan: ShardPlan, shards: list[Shard], load: Callable[[], Bundle],
         slot = {"num_gpus": 1} if gpus else {"num_cpus": 1}
         plan.folder.mkdir(parents=True, exist_ok=True)
         fields = {"folder": plan.folder, "root": plan.root, "width": plan.width,
-                  "model_sha256": plan.model_sha256}
+                  "model_sha256": plan.model_sha256, "views": plan.views}
         rows = [{"shard": s.number, "start": s.start, "key": s.key,
                  "photos": json.dumps([{"id": p.id, "class": p.cls, "path": p.path}
                                        for p in s.photos])} for s in shards]

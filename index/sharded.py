@@ -64,6 +64,7 @@ def build_sharded(
     ray_actors: int = 0,
     device: str | None = None,
     load: Callable | None = None,
+    photo_views: int = 1,
 ) -> BuildReport:
     """Embed `photos` into shards under OUT/shards (engine "local" or "ray"), build the
     index from them and commit it to `out`; the other arguments as `index.build.build_index`
@@ -82,11 +83,11 @@ def build_sharded(
     scan = scan_gallery(photos)
     log.info("gallery %s: %s", scan.root, scan.summary())
     with IndexWriter(out) as writer:
-        # The precision is part of the shards' keys (auto: the bundle's choice, for the Ray
-        # actors too).
-        enc = photo_encoder(model, threads, encoder, precision, device)
+        # The precision and views are part of the shards' keys (auto: the bundle's choice,
+        # for the Ray actors too).
+        enc = photo_encoder(model, threads, encoder, precision, device, photo_views)
         plan = plan_shards(out / SHARDS_DIR, scan.root, scan.photos, model.width,
-                           model.sha256, shard_size, enc.precision)
+                           model.sha256, shard_size, enc.precision, photo_views)
         todo = missing_shards(plan)
         t0 = time.perf_counter()
         log.info("%d of %d shards to embed (%s engine)", len(todo), len(plan.shards), engine)
@@ -106,7 +107,7 @@ def build_sharded(
             raise ValueError(f"none of the {plan.count} photos of {str(photos)!r} decoded")
         built = assemble(writer, model, scan.root, tables, blocks, dims, kind, budget, nprobe,
                          smoothing, recall_k, store=folder_store(plan.folder), work=plan.folder,
-                         progress=progress)
+                         progress=progress, photo_views=photo_views)
         failed = shard_failures(plan)
         remove_stale(plan)  # work files and shards of other keys
     return BuildReport(out, built.sidecar, built.recall, time.perf_counter() - start, cached,

@@ -7,7 +7,7 @@
 
 The gallery (sorted by class and file) is cut into consecutive shards of `shard_size` photos.
 A shard's key hashes what its vectors depend on: the model bundle's sha256, the embeddings'
-width, the photo encoder's precision, its place, and each of its photos' id, class, path,
+width, the photo encoder's precision and views, its place, and each of its photos' id, class, path,
 byte size and modification time. A photo of the shard that fails to decode is listed in its
 .json and has no row: the index's rows are the shards' rows one after the other.
 Shards hold the whole embeddings (gallery smoothing finds neighbours with all coordinates);
@@ -73,6 +73,7 @@ class ShardPlan:
     width: int  # the embeddings' width
     model_sha256: str
     shards: tuple[Shard, ...]
+    views: int = 1  # each photo alone, or averaged with its mirror image (index.embed.VIEWS)
 
     @property
     def count(self) -> int:
@@ -86,9 +87,9 @@ class ShardPlan:
 
 
 def _shard_key(model_sha256: str, width: int, number: int, start: int, root: Path,
-               photos: list[Photo], precision: str = "fp32") -> str:
+               photos: list[Photo], precision: str = "fp32", views: int = 1) -> str:
     digest = hashlib.sha256(
-        f"{SHARD_FORMAT}|{model_sha256}|{precision}|{width}|{number}|{start}".encode())
+        f"{SHARD_FORMAT}|{model_sha256}|{precision}|{views}|{width}|{number}|{start}".encode())
     for p in photos:
         st = os.stat(root / p.path)
         digest.update(f"|{p.id}|{p.cls}|{p.path}|{st.st_size}|{st.st_mtime_ns}".encode())
@@ -97,18 +98,18 @@ def _shard_key(model_sha256: str, width: int, number: int, start: int, root: Pat
 
 def plan_shards(folder: str | Path, root: Path, photos: list[Photo], width: int,
                 model_sha256: str, shard_size: int = DEFAULT_SHARD_SIZE,
-                precision: str = "fp32") -> ShardPlan:
+                precision: str = "fp32", views: int = 1) -> ShardPlan:
     """Cut `photos` (the order of `index.gallery.scan_gallery`) into shards of `shard_size`;
-    `precision`: the photo encoder's (fp32 or int8), so shards of the other one are not
-    reused."""
+    `precision` and `views`: the photo encoder's (fp32 or int8; index.embed.VIEWS), so
+    shards of another one are not reused."""
     if shard_size < 1:
         raise ValueError(f"shard_size={shard_size} must be >= 1")
     shards = []
     for number, start in enumerate(range(0, len(photos), shard_size)):
         chunk = photos[start : start + shard_size]
-        key = _shard_key(model_sha256, width, number, start, root, chunk, precision)
+        key = _shard_key(model_sha256, width, number, start, root, chunk, precision, views)
         shards.append(Shard(number, start, key, tuple(chunk)))
-    return ShardPlan(Path(folder), root, width, model_sha256, tuple(shards))
+    return ShardPlan(Path(folder), root, width, model_sha256, tuple(shards), views)
 
 
 def _rows(photos) -> list[dict]:
@@ -217,15 +218,15 @@ def remove_stale(plan: ShardPlan) -> int:
 def embed_local(model, encoder: PhotoEncoder, plan: ShardPlan, shards: list[Shard],
                 batch_size: int = 32, cache_dir: str | Path | None = None, workers: int = 0,
                 progress: bool = True) -> tuple[int, int]:
-    """Embed `shards` in this process, writing each as it is done; returns (photos embedded,
-    how many of them came from the feature cache)."""
+    """Embed `shards` in this process with `encoder` (in the plan's views), writing each as
+    it is done; returns (photos embedded, how many of them came from the feature cache)."""
     plan.folder.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=sum(len(s.photos) for s in shards), desc="embedding shards", unit="img",
                disable=not progress)
     cached = 0
     for shard in shards:
         part = embed_slice(model, encoder, plan.root, list(shard.photos), cache_dir,
-                           batch_size, workers)
+                           batch_size, workers, views=plan.views)
         write_shard(plan, shard, part)
         cached += part.from_cache
         bar.update(len(shard.photos))

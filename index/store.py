@@ -13,10 +13,12 @@ or the new one (after). The version CURRENT named before a write is kept until t
 so a reader that just followed the old pointer still finds it; older versions and the
 temporaries of killed writers are removed by later writers.
 
-There is one format (FORMAT_VERSION). Folders written by earlier code (the three files
-directly in OUT, a `meta.jsonl` photo table, a sidecar of another format or without the
-fields of this one) are refused with an error naming the folder and the fix, a rebuild,
-which may write over them.
+There is one format (FORMAT_VERSION). A sidecar of the format before it (3, which did not
+record the photos' views) is read as that code stored its photos: averaged with their
+mirror image (`photo_views` 2). Folders written by earlier code (the three files directly in
+OUT, a `meta.jsonl` photo table, a sidecar of another format or without the fields of this
+one) are refused with an error naming the folder and the fix, a rebuild, which may write
+over them.
 
 Each version's sidecar lists the sha256 and size of every other file of the version, and
 loading checks them before FAISS or the table reader opens a file, so a file changed or
@@ -59,7 +61,8 @@ from training.files import fsync_dir
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+MIRRORED_FORMAT = 3  # read as FORMAT_VERSION with photo_views 2: every photo mirror-averaged
 INDEX_FILE = "index.faiss"
 SIDECAR_FILE = "index.json"
 META_FILE = "meta.jsonl"  # the photo table of earlier code: refused
@@ -101,6 +104,8 @@ class Sidecar:
     # coordinate after the dims, minus each photo's penalty (index.hubness)
     hubness: dict
     files: dict  # {file name: {"sha256", "bytes"}} of every other file of the version
+    # 1: each photo embedded in one view; 2: averaged with its mirror image (index.embed)
+    photo_views: int
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -114,6 +119,8 @@ class Sidecar:
         if not isinstance(raw, dict):
             raise IndexCorruptError(f"sidecar {source!r} is not a JSON object")
         fix = f"rebuild it: {rebuild_command(folder)}"
+        if raw.get("format") == MIRRORED_FORMAT and "photo_views" not in raw:
+            raw = {**raw, "format": FORMAT_VERSION, "photo_views": 2}
         if raw.get("format") != FORMAT_VERSION:
             raise IndexCorruptError(
                 f"index {str(folder)!r} was written by earlier code (sidecar format "
@@ -133,10 +140,12 @@ def rebuild_command(folder: str | Path) -> str:
 
 def new_sidecar(model, dims: int, count: int, kind: str, photos_root: Path,
                 params: dict | None = None, recall: dict | None = None,
-                smoothing: dict | None = None, hubness: dict | None = None) -> Sidecar:
+                smoothing: dict | None = None, hubness: dict | None = None,
+                photo_views: int = 1) -> Sidecar:
     """The sidecar of a freshly built index: the model bundle's identity (`model`, a
-    training.cdk.model.bundle.Bundle), the stored dims and count, the kind, now. Its file
-    list is filled in when the version is written (IndexWriter.commit)."""
+    training.cdk.model.bundle.Bundle), the stored dims and count, the kind, the photos'
+    views, now. Its file list is filled in when the version is written
+    (IndexWriter.commit)."""
     return Sidecar(
         format=FORMAT_VERSION,
         model_sha256=model.sha256,
@@ -155,6 +164,7 @@ def new_sidecar(model, dims: int, count: int, kind: str, photos_root: Path,
         smoothing=smoothing or {},
         hubness=hubness or {},
         files={},
+        photo_views=int(photo_views),
     )
 
 

@@ -30,7 +30,10 @@ Variants (VARIANTS; "+" combines):
   the photo (the query's is 1), so a flat inner-product index serves it; "floor Q" with
   it: only the part of a photo's mean score above the Q-quantile of the training photos'
   own mean scores is a penalty (max(0, r - floor));
-- modes A: the queries' learned modes scaled by A (the photos as stored).
+- modes A: the queries' learned modes scaled by A (the photos as stored);
+- single-view: the gallery's photos embedded from one view each (no mirror average), the
+  heads trained as the preset trains them: what indexing a gallery in one backbone pass a
+  photo costs.
 
 Beside them, "trained": the last TRAINED_QUERIES sketches of each training class (not in
 the correction's sample) against the whole gallery as the service answers: what a variant
@@ -125,9 +128,11 @@ def _features(files, bb: Backbone, size: int, cache, desc: str) -> torch.Tensor:
     return out
 
 
-def load(cfg: Config, styles: list[str], sketch_styles: list[str]) -> dict:
+def load(cfg: Config, styles: list[str], sketch_styles: list[str],
+         single_view: bool = False) -> dict:
     """Features of the split's non-test classes (sketches, photos), of the pseudo-sketches of
-    every photo in ``styles`` and of views of every sketch in ``sketch_styles``."""
+    every photo in ``styles`` and of views of every sketch in ``sketch_styles``; with
+    ``single_view``, also the photos' features from one view each ("photo_single")."""
     ds = scan(cfg.data)
     split = split_classes(cfg.split, list(ds.classes))
     seen = ds.restrict(split["train"] + split["valid"])  # never a test-class image
@@ -142,6 +147,9 @@ def load(cfg: Config, styles: list[str], sketch_styles: list[str]) -> dict:
          "sketch": _features(seen.sketches, sbb, ss, cache, "sketches"),
          "photo": _features(seen.photos, bb, ps, cache, "photos"), "views": {},
          "sketch_views": {}}
+    if single_view:
+        F["photo_single"] = _features(seen.photos, with_flip_average(bb, False), ps, cache,
+                                      "photos, one view")
     for name in styles:
         st = STYLES[name]
         F["views"][name] = view_features(
@@ -275,10 +283,12 @@ VARIANTS = ("default", "pseudo contour", "pseudo detail", "pseudo canny",
 def parse_variant(name: str) -> dict:
     """{"pseudo": [styles], "augment": bool, "adapt": bool, "csls": None | "train" |
     "gallery", "csls_weight", "csls_k", "modes": the queries' mode scale, "floor": None | a
-    quantile} of a variant name ("+" between parts; "csls-train W K": weight W and K
-    neighbours instead of CSLS_WEIGHT and CSLS_K; "modes A"; "floor Q")."""
+    quantile, "single_view": bool} of a variant name ("+" between parts; "csls-train W K":
+    weight W and K neighbours instead of CSLS_WEIGHT and CSLS_K; "modes A"; "floor Q";
+    "single-view")."""
     spec = {"pseudo": [], "augment": False, "adapt": False, "csls": None,
-            "csls_weight": CSLS_WEIGHT, "csls_k": CSLS_K, "modes": 1.0, "floor": None}
+            "csls_weight": CSLS_WEIGHT, "csls_k": CSLS_K, "modes": 1.0, "floor": None,
+            "single_view": False}
     for part in (p.strip() for p in name.split("+")):
         words = part.split()
         if part == "default":
@@ -287,6 +297,8 @@ def parse_variant(name: str) -> dict:
             spec["pseudo"] = words[1:]
         elif part in ("augment", "adapt"):
             spec[part] = True
+        elif part == "single-view":
+            spec["single_view"] = True
         elif words[0] == "modes" and len(words) == 2:
             spec["modes"] = float(words[1])
         elif words[0] == "floor" and len(words) == 2:
@@ -349,7 +361,8 @@ def run_set(cfg: Config, F: dict, held: list[str], variants: list[str], adapt_cf
                                 dataclasses.replace(adapt_cfg, seed=cfg.seed),
                                 nesting_weights(cfg))
         f = _embed(cfg, heads, res.raw, "sketch", F["sketch"][torch.as_tensor(~train_s)])
-        g = _embed(cfg, heads, res.raw, "photo", F["photo"])
+        g = _embed(cfg, heads, res.raw, "photo",
+                   F["photo_single" if spec["single_view"] else "photo"])
         rows["trained_f"] = _embed(cfg, heads, res.raw, "sketch",
                                    F["sketch"][torch.as_tensor(trained_q)])
         if spec["modes"] != 1.0:  # the queries' learned modes scaled, the photos as stored
@@ -490,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
                         | ({args.adapt_style} if any(sp["adapt"] or sp["csls"] == "gallery"
                                                      for sp in specs) else set()))
         sketch_styles = sorted(SKETCH_STYLES) if any(sp["augment"] for sp in specs) else []
-        F = load(cfg, styles, sketch_styles)
+        F = load(cfg, styles, sketch_styles, any(sp["single_view"] for sp in specs))
         out.mkdir(parents=True, exist_ok=True)
         results = out / "results.jsonl"
         done = set()

@@ -76,7 +76,8 @@ class FakeModel:
     def encoder(self, name: str, precision: str = "auto", threads: int = 1) -> FakeEncoder:
         return FakeEncoder(self, name, "fp32" if precision == "auto" else precision)
 
-    def embedder(self, device=None, sketch_flip_average=None) -> FakeModel:
+    def embedder(self, device=None, sketch_flip_average=None,
+                 photo_flip_average=None) -> FakeModel:
         return self  # its own PyTorch side
 
     def backbone_features(self, batch: torch.Tensor, modality: str) -> torch.Tensor:

@@ -114,7 +114,8 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
     assert ck["backbone"]["photo_flip_average"] and not ck["backbone"]["sketch_flip_average"]
     model = Bundle.open(out / "model")
     assert "model bundle" in printed and str(out / "model") in printed
-    assert set(model.encoders) == {"sketch", "photo"}  # no single-view graph: not averaged
+    # the photos' single-view graph (indexing's default); none for the sketches: not averaged
+    assert set(model.encoders) == {"sketch", "photo", "photo-single-view"}
     for name, info in model.encoders.items():
         assert info.graphs["int8"] == f"{name}.int8.onnx" and info.parity["queries"] == 6
     assert model.training["classes"]["valid"] == list(VALID)

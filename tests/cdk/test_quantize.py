@@ -126,7 +126,8 @@ def test_float_front_is_raised_until_parity_holds_and_timing_decides(tmp_path, m
     monkeypatch.setattr(make_bundle_mod, "_timing", lambda a, b, size: {"fp32": 10.0,
                                                                         "int8": 8.0})
     a = make_bundle(checkpoint, tmp_path / "a", data=DATA, threads=1)
-    assert fronts == [2, 6, 0] and made == ["sketch", "photo"]  # float32's side once each
+    # float32's side once an encoder: the photos' single-view graph is quantized too
+    assert fronts == [2, 6, 0, 0] and made == ["sketch", "photo", "photo"]
     graph = OnnxEncoder(a.read("sketch.int8.onnx"), precision="int8")
     assert graph.meta["float_front"] == "6"
     assert _conv_weights_quantized(graph.data)[:7] == [False] * 6 + [True]
@@ -138,7 +139,7 @@ def test_float_front_is_raised_until_parity_holds_and_timing_decides(tmp_path, m
     fronts.clear()
     monkeypatch.setattr(quantize_mod, "ParityCheck", parity_at(-1))  # never holds
     b = make_bundle(checkpoint, tmp_path / "b", data=DATA, threads=1)
-    assert fronts == [2, 6, 9, 0]
+    assert fronts == [2, 6, 9, 0, 0]
     info = b.encoders["sketch"]
     assert info.precision == "fp32" and info.graphs["int8"] == "sketch.int8.onnx"
     assert not info.parity["holds"] and "fails the parity rule" in info.why

@@ -1,5 +1,7 @@
 """index.build / index.add reuse training's cached photo features and decode the other photos
-in DataLoader workers; every faster path must give the plain path's embeddings."""
+in DataLoader workers; every faster path must give the plain path's embeddings. Training
+caches mirror-averaged photo features (the cpu preset), so an index reads them when it
+embeds its photos that way (`--photo-views 2`), never for photos in one view."""
 
 import copy
 import os
@@ -12,7 +14,7 @@ import torch
 from index import add as add_mod
 from index import build as build_mod
 from index.build import build_index
-from index.embed import FeatureKey, TorchPhotos, cached_features, embed_photos
+from index.embed import FeatureKey, TorchPhotos, cached_features, embed_photos, photo_encoder
 from index.gallery import scan_gallery
 from index.store import load_index
 from tests.fakes import FakeModel, make_gallery
@@ -55,20 +57,22 @@ def test_cached_photos_embed_as_the_plain_path(tmp_path, gallery, pretrained, re
     cache = tmp_path / "cache"
     train_cache(pretrained, files[0:8:2], cache)  # two lists, as training's splits; odd
     train_cache(pretrained, files[8::2], cache)  # photos are in neither
-    positions, feats = cached_features(real_bundle, root, photos, cache)
+    assert cached_features(real_bundle, root, photos, cache, views=1)[0] == []
+    positions, feats = cached_features(real_bundle, root, photos, cache, views=2)
     assert positions == list(range(0, 15, 2)) and feats.shape == (8, 1280)
 
-    plain = embed_photos(real_bundle, root, photos, progress=False).vectors  # the graph's
+    two = photo_encoder(real_bundle, views=2)
+    plain = embed_photos(real_bundle, root, photos, two, progress=False).vectors  # the graph's
     torch_side = TorchPhotos(real_bundle.embedder("cpu"))
     np.testing.assert_allclose(
         embed_photos(real_bundle, root, photos, torch_side, progress=False).vectors, plain,
         **CLOSE)
-    reused = embed_photos(real_bundle, root, photos, batch_size=3, progress=False,
+    reused = embed_photos(real_bundle, root, photos, two, batch_size=3, progress=False,
                           cached=(positions, feats), workers=2)
     assert reused.from_cache == 8
     np.testing.assert_allclose(reused.vectors, plain, **CLOSE)
 
-    report = build_index(real_bundle, gallery, tmp_path / "ix", dims=6,
+    report = build_index(real_bundle, gallery, tmp_path / "ix", dims=6, photo_views=2,
                          progress=False, feature_cache=cache, smoothing=Smoothing(k=0))
     assert report.from_cache == 8
     ix = load_index(tmp_path / "ix")
@@ -79,7 +83,8 @@ def test_cached_photos_embed_as_the_plain_path(tmp_path, gallery, pretrained, re
 def test_stale_and_foreign_entries_are_never_used(tmp_path, gallery, pretrained, real_bundle):
     root, photos, files = listing(gallery)
     cache = tmp_path / "cache"
-    old = embed_photos(real_bundle, root, photos, progress=False).vectors
+    two = photo_encoder(real_bundle, views=2)
+    old = embed_photos(real_bundle, root, photos, two, progress=False).vectors
     extra = tmp_path / "extra.jpg"
     shutil.copyfile(files[0], extra)
     for part in (files[0:4], files[4:8], files[8:11], [*files[11:], extra]):
@@ -94,11 +99,11 @@ def test_stale_and_foreign_entries_are_never_used(tmp_path, gallery, pretrained,
     st = files[6].stat()  # same bytes, another mtime
     os.utime(files[6], ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     extra.unlink()  # a file of the last list is gone
-    positions, feats = cached_features(real_bundle, root, photos, cache)
+    positions, feats = cached_features(real_bundle, root, photos, cache, views=2)
     assert positions == [8, 9, 10]  # only the list whose files are all unchanged
 
-    plain = embed_photos(real_bundle, root, photos, progress=False).vectors
-    reused = embed_photos(real_bundle, root, photos, progress=False,
+    plain = embed_photos(real_bundle, root, photos, two, progress=False).vectors
+    reused = embed_photos(real_bundle, root, photos, two, progress=False,
                           cached=(positions, feats)).vectors
     np.testing.assert_allclose(reused, plain, **CLOSE)
     np.testing.assert_allclose(plain[1], plain[14], **CLOSE)  # the new content, not the old
@@ -179,8 +184,12 @@ def test_commands_read_the_models_cache_unless_told_not_to(tmp_path, gallery, pr
     make_bundle(real_checkpoint, "model", threads=1)  # records ./.cache/cdk-features
     root, photos, files = listing(gallery)
     train_cache(pretrained, files, ".cache/cdk-features")
-    # plain embeddings: an index grown by index.add equals one built at once only unsmoothed
+    # photos in one view (the default) read nothing from a cache of mirror-averaged ones
     common = ["--model", "model", "--no-progress", "--threads", "1", "--smooth-k", "0"]
+    assert build_mod.main([*common, "--photos", str(gallery), "--out", "one"]) == 0
+    assert "backbone features of 0 of 15 embedded photos" in capsys.readouterr().out
+    # plain embeddings: an index grown by index.add equals one built at once only unsmoothed
+    common += ["--photo-views", "2"]
     assert build_mod.main([*common, "--photos", str(gallery), "--out", "ix"]) == 0
     assert "backbone features of 15 of 15 embedded photos from the feature cache " \
         f"{tmp_path / '.cache/cdk-features'}" in capsys.readouterr().out

@@ -32,18 +32,22 @@ def preprocessed(model, gallery):
 def test_int8_gallery_stores_the_bundles_int8_vectors_on_every_path(int8_bundle, small_gallery,
                                                                     tmp_path):
     model = int8_bundle
-    assert model.encoders["photo"].graphs["int8"] == "photo.int8.onnx"
+    photo = model.encoder_name("photo", False)  # the default: one view a photo
+    assert model.encoders[photo].graphs["int8"] == "photo-single-view.int8.onnx"
     common = {"feature_cache": None, "smoothing": PLAIN, "progress": False}
     a = build_index(model, small_gallery, tmp_path / "a", batch_size=4, precision="int8",
                     threads=1, **common)
     assert a.encoder == "onnxruntime int8" and a.embedded == 15 and a.from_cache == 0
     x = preprocessed(model, small_gallery)
     stored = load_index(tmp_path / "a").index.reconstruct_n(0, 15)
-    np.testing.assert_array_equal(stored, model.encoder("photo", "int8")(x))  # one batch
-    fp32 = model.embedder("cpu").encode(torch.from_numpy(x), "photo").numpy()
+    np.testing.assert_array_equal(stored, model.encoder(photo, "int8")(x))  # one batch
+    fp32 = model.embedder("cpu", photo_flip_average=False).encode(torch.from_numpy(x),
+                                                                 "photo").numpy()
     assert not np.allclose(stored, fp32, atol=1e-4)  # really 8-bit arithmetic ...
     cos = (stored * fp32).sum(1) / np.linalg.norm(stored, axis=1) / np.linalg.norm(fp32, axis=1)
-    assert cos.min() > 0.9, cos  # ... of the same embeddings
+    # ... of the same embeddings (8 untrained modes, one view: no mirror average to smooth
+    # the rounding; random directions would score about 0 +- 0.35)
+    assert cos.mean() > 0.95 and cos.min() > 0.8, cos
 
     # other batches, threads, decoding workers and the sharded path: the same bits
     b = build_index(model, small_gallery, tmp_path / "b", batch_size=7, workers=2,
@@ -68,7 +72,7 @@ def test_int8_gallery_stores_the_bundles_int8_vectors_on_every_path(int8_bundle,
 
 
 def test_auto_serves_the_bundles_choice(int8_bundle, small_gallery, tmp_path):
-    chosen = int8_bundle.encoders["photo"].precision
+    chosen = int8_bundle.encoders["photo-single-view"].precision
     report = build_index(int8_bundle, small_gallery, tmp_path / "ix", smoothing=PLAIN,
                          progress=False)
     assert report.encoder == f"onnxruntime {chosen}"
@@ -81,7 +85,8 @@ def test_int8_of_a_bundle_without_one_stops_the_build_and_auto_serves_float32(
                 progress=False)
     version = current_version(tmp_path / "ix")
     before = load_index(tmp_path / "ix").index.reconstruct_n(0, 15)
-    with pytest.raises(BundleError, match="serves no int8 photo encoder: no int8 graph: "
+    with pytest.raises(BundleError, match="serves no int8 photo-single-view encoder: no int8 "
+                                          "graph: "
                                           "calibrating int8 needs the training data"):
         build_index(real_bundle, small_gallery, tmp_path / "ix", precision="int8",
                     smoothing=PLAIN, progress=False)

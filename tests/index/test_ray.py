@@ -57,7 +57,9 @@ def local_ray():
 def test_local_sharded_and_ray_builds_store_the_same_smoothed_vectors(
         local_ray, tmp_path, real_bundle, real_embedder, small_gallery):
     smoothing = Smoothing(k=3, weight=4.0, rounds=2)
-    common = {"batch_size": 4, "shard_size": 4, "progress": False, "smoothing": smoothing}
+    # photos mirror-averaged (not the default): the actors are given the driver's views
+    common = {"batch_size": 4, "shard_size": 4, "progress": False, "smoothing": smoothing,
+              "photo_views": 2}
     local = build_index(real_bundle, small_gallery, tmp_path / "local", workers=2, **common)
     sharded = build_sharded(real_bundle, small_gallery, tmp_path / "sharded", **common)
     out, marker = tmp_path / "ray", tmp_path / "crashed"
@@ -80,7 +82,7 @@ def test_local_sharded_and_ray_builds_store_the_same_smoothed_vectors(
     assert [p.id for p in ix.photos] == [p.id for p in photos]
 
     # A rerun embeds only the shards that are not finished (here: one removed by hand).
-    plan = plan_shards(out / "shards", root, photos, 8, real_embedder.sha256, 4)
+    plan = plan_shards(out / "shards", root, photos, 8, real_embedder.sha256, 4, "fp32", 2)
     np.testing.assert_allclose(load_vectors(plan), plain, rtol=1e-4, atol=1e-5)  # unsmoothed
     plan.npy(plan.shards[2]).unlink()
     again = build_sharded(real_bundle, small_gallery, out, engine="ray",

@@ -36,7 +36,8 @@ def test_cli_builds_an_index_that_equals_brute_force(tmp_path, real_bundle, real
     assert ix.sidecar.backbone == "efficientnet-lite0" and ix.sidecar.width == 8
     scan = scan_gallery(small_gallery)
     root, photos = scan.root, scan.photos
-    gallery = real_embedder.embed([load_image(root / p.path) for p in photos], "photo")  # (15, 8)
+    one_view = real_bundle.embedder("cpu", photo_flip_average=False)  # the default views
+    gallery = one_view.embed([load_image(root / p.path) for p in photos], "photo")  # (15, 8)
     # the reference: training's rule with exact neighbours on all 8 modes, 6 dims kept
     gallery = smooth(torch.from_numpy(gallery), Smoothing(10, 4.0, 2)).numpy()[:, :6]
     sketches = real_embedder.embed(
@@ -62,7 +63,8 @@ def test_an_index_of_hybrid_embeddings_equals_brute_force(tmp_path, hybrid_bundl
     ix = load_index(tmp_path / "ix", model_sha256=e.sha256)
     scan = scan_gallery(small_gallery)
     root, photos = scan.root, scan.photos
-    gallery = e.embed([load_image(root / p.path) for p in photos], "photo")  # (15, 16)
+    one_view = hybrid_bundle.embedder("cpu", photo_flip_average=False)  # the default views
+    gallery = one_view.embed([load_image(root / p.path) for p in photos], "photo")  # (15, 16)
     gallery = smooth(torch.from_numpy(gallery), Smoothing(10, 4.0, 2)).numpy()
     sketches = e.embed([Image.open(io.BytesIO(b)).convert("RGB") for b in small_sketches],
                        "sketch")

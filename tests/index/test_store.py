@@ -124,7 +124,7 @@ def test_sidecar_describes_the_index(tmp_path, gallery, embedder):
     assert raw["model_sha256"] == embedder.sha256
     assert (raw["width"], raw["modes"], raw["dims"], raw["count"], raw["metric"], raw["kind"]) == (
         8, 8, 6, 15, "inner_product", "flat")
-    assert "L" not in raw and raw["format"] == 3 and raw["params"] == raw["recall"] == {}
+    assert "L" not in raw and raw["format"] == 4 and raw["params"] == raw["recall"] == {}
     assert raw["backbone"] == "fake-thumbnail" and raw["created"]
     assert PhotoTable.open(version)[0] == Photo("c0_0_000", "class0", "class0/c0_0_000.jpg")
     assert not (version / META_FILE).exists()  # the table is the columns alone
@@ -346,9 +346,9 @@ def test_index_folders_of_earlier_code_are_refused_naming_the_fix(tmp_path, gall
     earlier = {**raw, "format": 1, "L": raw["width"]}
     del earlier["width"], earlier["modes"]
     sidecar.write_text(json.dumps(earlier))
-    refused(r"written by earlier code \(sidecar format 1; this code reads format 3\)")
+    refused(r"written by earlier code \(sidecar format 1; this code reads format 4\)")
     sidecar.write_text(json.dumps({**raw, "format": 2}))  # before model bundles
-    refused(r"written by earlier code \(sidecar format 2; this code reads format 3\)")
+    refused(r"written by earlier code \(sidecar format 2; this code reads format 4\)")
     sidecar.write_text(json.dumps({k: v for k, v in raw.items() if k not in ("recall", "params")}))
     refused(r"lacks fields \['params', 'recall'\]")
     sidecar.write_text(json.dumps(raw))
@@ -362,6 +362,25 @@ def test_index_folders_of_earlier_code_are_refused_naming_the_fix(tmp_path, gall
     assert sorted(p.name for p in out.iterdir()) == [".lock", POINTER_FILE,
                                                      current_version(out).name]
     assert load_index(out).sidecar.count == 15
+
+
+def test_a_sidecar_of_format_3_reads_as_mirror_averaged_photos(tmp_path, gallery, embedder):
+    """Format 3 did not record the photos' views; that code always averaged each photo
+    with its mirror image, so its indexes load (and append) as photo_views 2."""
+    out = tmp_path / "ix"
+    build_index(embedder, gallery, out, progress=False)
+    sidecar = current_version(out) / SIDECAR_FILE
+    raw = json.loads(sidecar.read_text())
+    assert raw["photo_views"] == 1  # this code's default
+    del raw["photo_views"]
+    sidecar.write_text(json.dumps({**raw, "format": 3}))
+    loaded = load_index(out).sidecar
+    assert (loaded.format, loaded.photo_views) == (store_mod.FORMAT_VERSION, 2)
+    sidecar.write_text(json.dumps({**raw, "format": 3, "photo_views": 1}))  # not format 3's
+    with pytest.raises(IndexCorruptError, match="sidecar format 3; this code reads format 4"):
+        load_index(out)
+    build_index(embedder, gallery, out, progress=False)  # the fix
+    assert load_index(out).sidecar.photo_views == 1
 
 
 def test_pointer_to_a_missing_or_odd_version_is_refused(tmp_path, gallery, embedder):

@@ -135,7 +135,8 @@ def test_single_view_queries_of_a_mirror_averaging_model(tmp_path, small_gallery
 
     model = untrained_bundle(tmp_path, modes=8, hidden=16, image_size=64, raw_dims=0,
                              sketch_flip_average=True)
-    assert set(model.encoders) == {"sketch", "photo", "sketch-single-view"}
+    assert set(model.encoders) == {"sketch", "photo", "sketch-single-view",
+                                   "photo-single-view"}
     assert model.encoder_name("sketch", None) == model.encoder_name("sketch", True) == "sketch"
     assert model.encoder_name("sketch", False) == "sketch-single-view"
     single = model.embedder("cpu", sketch_flip_average=False)

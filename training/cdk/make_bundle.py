@@ -269,9 +269,10 @@ def make_bundle(checkpoint: str | Path, out: str | Path, data: str | Path | None
     inference = Inference(**{**asdict(inference), "fingerprints": {
         m: weights_fingerprint(base.backbone_of(m).module) for m in MODALITIES}})
     embedders = {"sketch": base, "photo": base}
-    if inference.flip_average["sketch"]:
-        embedders["sketch-single-view"] = Embedder(inference, weights, "", device="cpu",
-                                                   sketch_flip_average=False)
+    for m in MODALITIES:  # a side trained on mirror-averaged features, in one view too
+        if inference.flip_average[m]:
+            embedders[f"{m}-single-view"] = Embedder(inference, weights, "", device="cpu",
+                                                     **{f"{m}_flip_average": False})
     writer = _Writer(embedders, threads)
     writer.export(say)
     try:

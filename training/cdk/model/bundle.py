@@ -55,9 +55,9 @@ MODEL_FILE = "model.json"
 WEIGHTS_FILE = "weights.pt"
 HUBNESS_FILE = "hubness.npy"
 PRECISIONS = ("fp32", "int8")
-# The encoders a bundle holds: the sketch side as trained, the photo side, and, for a model
-# whose sketches are averaged with their mirror image, the sketch alone (one backbone pass).
-ENCODERS = ("sketch", "photo", "sketch-single-view")
+# The encoders a bundle holds: each side as trained and, for a side trained on features
+# averaged with the mirror image's, that side in one view (one backbone pass an image).
+ENCODERS = ("sketch", "photo", "sketch-single-view", "photo-single-view")
 
 
 class BundleError(ValueError):
@@ -71,7 +71,7 @@ def rebuild_command(folder: str | Path = "runs/cdk/model") -> str:
 
 
 def modality_of(encoder: str) -> str:
-    """The modality an encoder embeds ("sketch-single-view" embeds sketches)."""
+    """The modality an encoder embeds ("photo-single-view" embeds photos)."""
     return encoder.split("-")[0]
 
 
@@ -269,11 +269,17 @@ class Bundle:
     # -- running it ------------------------------------------------------------------------
 
     def encoder_name(self, modality: str, mirror: bool | None = None) -> str:
-        """The encoder that embeds ``modality``: for sketches of a model that averages them
-        with their mirror image, ``mirror`` False picks the single-view graph."""
+        """The encoder that embeds ``modality``: for a side the model averages with its
+        mirror image, ``mirror`` False picks the single-view graph (a BundleError where a
+        bundle written before it has none; the message names the command that adds it)."""
         _check_modality(modality)
-        if modality == "sketch" and mirror is False and self.inference.flip_average["sketch"]:
-            return "sketch-single-view"
+        if mirror is False and self.inference.flip_average[modality]:
+            name = f"{modality}-single-view"
+            if name not in self.encoders:
+                raise BundleError(
+                    f"model bundle {str(self.path)!r} has no {name} encoder (written by "
+                    f"earlier code); write it again: {rebuild_command(self.path)}")
+            return name
         return modality
 
     def precision_of(self, name: str, precision: str = "auto") -> str:
@@ -325,15 +331,18 @@ class Bundle:
                               f"(S, {self.width})")
         return torch.from_numpy(np.asarray(sample, dtype=np.float32))
 
-    def embedder(self, device=None, sketch_flip_average: bool | None = None):
-        """The PyTorch Embedder of this bundle on ``device`` (built once per arguments)."""
+    def embedder(self, device=None, sketch_flip_average: bool | None = None,
+                 photo_flip_average: bool | None = None):
+        """The PyTorch Embedder of this bundle on ``device`` (built once per arguments;
+        the flip averages as in Embedder: None, as trained)."""
         from .embedder import Embedder
 
-        key = (str(device), sketch_flip_average)
+        key = (str(device), sketch_flip_average, photo_flip_average)
         if key not in self._embedders:
             self._embedders[key] = Embedder(self.inference, self.weights(), self.sha256,
                                             device, source=str(self.path),
-                                            sketch_flip_average=sketch_flip_average)
+                                            sketch_flip_average=sketch_flip_average,
+                                            photo_flip_average=photo_flip_average)
         return self._embedders[key]
 
     def _info(self, name: str) -> EncoderInfo:

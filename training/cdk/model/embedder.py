@@ -47,15 +47,17 @@ class Embedder:
     Attributes: backbone (name), singular_values (modes,), sha256 (the bundle's), device,
     image_size (the photos' input side), sketch_image_size (the sketches'; ``size_of``),
     finetuned (the backbones were trained with the heads), pooling (avg or gem),
-    photo_flip_average, trained_sketch_flip_average (sketches trained averaged with their
-    mirror image), sketch_flip_average (so averaged as queries are embedded now),
+    trained_photo_flip_average, trained_sketch_flip_average (each modality trained averaged
+    with its mirror image), photo_flip_average, sketch_flip_average (so averaged as they are
+    embedded now),
     unit_embeddings, modes (the learned singular functions), raw_dims (raw coordinates
     after them, model.RawProjection; 0: none) and width = modes + raw_dims. The backbones
     are built on first use: the heads alone (cached features) need none.
     """
 
     def __init__(self, inference, weights: dict, sha256: str, device=None,
-                 source: str = "model", sketch_flip_average: bool | None = None):
+                 source: str = "model", sketch_flip_average: bool | None = None,
+                 photo_flip_average: bool | None = None):
         self.device = pick_device(device)
         inf = inference
         self.inference = inf
@@ -63,11 +65,14 @@ class Embedder:
         self.image_size: int = inf.size_of("photo")
         self.sketch_image_size: int = inf.size_of("sketch")
         self._mean, self._std = tuple(inf.mean), tuple(inf.std)
-        # features averaged with the mirror image's as trained; ``sketch_flip_average``
-        # False embeds sketches alone even so (a query costs one backbone pass instead of
-        # two, at some accuracy)
-        self.photo_flip_average: bool = bool(inf.flip_average["photo"])
+        # features averaged with the mirror image's as trained; ``sketch_flip_average`` /
+        # ``photo_flip_average`` False embeds that modality in one view even so (one backbone
+        # pass an image instead of two); True never averages what was trained in one view
+        self.trained_photo_flip_average: bool = bool(inf.flip_average["photo"])
         self.trained_sketch_flip_average: bool = bool(inf.flip_average["sketch"])
+        self.photo_flip_average: bool = (
+            self.trained_photo_flip_average if photo_flip_average is None
+            else bool(photo_flip_average) and self.trained_photo_flip_average)
         self.sketch_flip_average: bool = (
             self.trained_sketch_flip_average if sketch_flip_average is None
             else bool(sketch_flip_average) and self.trained_sketch_flip_average)
