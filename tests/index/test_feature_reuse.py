@@ -1,7 +1,7 @@
 """index.build / index.add reuse training's cached photo features and decode the other photos
 in DataLoader workers; every faster path must give the plain path's embeddings. Training
-caches mirror-averaged photo features (the cpu preset), so an index reads them when it
-embeds its photos that way (`--photo-views 2`), never for photos in one view."""
+caches mirror-averaged photo features (the cpu preset) and their first view's, so an index
+reads them in either views (`--photo-views 1|2`)."""
 
 import copy
 import os
@@ -57,7 +57,6 @@ def test_cached_photos_embed_as_the_plain_path(tmp_path, gallery, pretrained, re
     cache = tmp_path / "cache"
     train_cache(pretrained, files[0:8:2], cache)  # two lists, as training's splits; odd
     train_cache(pretrained, files[8::2], cache)  # photos are in neither
-    assert cached_features(real_bundle, root, photos, cache, views=1)[0] == []
     positions, feats = cached_features(real_bundle, root, photos, cache, views=2)
     assert positions == list(range(0, 15, 2)) and feats.shape == (8, 1280)
 
@@ -78,6 +77,15 @@ def test_cached_photos_embed_as_the_plain_path(tmp_path, gallery, pretrained, re
     ix = load_index(tmp_path / "ix")
     assert list(ix.photos) == photos  # same ids, same order
     np.testing.assert_allclose(ix.index.reconstruct_n(0, 15), plain[:, :6], **CLOSE)
+
+    # the same photos' first view, which training cached beside the average
+    ones, first = cached_features(real_bundle, root, photos, cache, views=1)
+    assert ones == positions and not torch.allclose(first, feats, atol=1e-3)
+    one_view = embed_photos(real_bundle, root, photos, progress=False).vectors  # the graph's
+    reused = embed_photos(real_bundle, root, photos, progress=False, cached=(ones, first))
+    assert reused.from_cache == 8
+    np.testing.assert_allclose(reused.vectors, one_view, **CLOSE)
+    assert not np.allclose(one_view, plain, atol=1e-3)
 
 
 def test_stale_and_foreign_entries_are_never_used(tmp_path, gallery, pretrained, real_bundle):
@@ -184,10 +192,14 @@ def test_commands_read_the_models_cache_unless_told_not_to(tmp_path, gallery, pr
     make_bundle(real_checkpoint, "model", threads=1)  # records ./.cache/cdk-features
     root, photos, files = listing(gallery)
     train_cache(pretrained, files, ".cache/cdk-features")
-    # photos in one view (the default) read nothing from a cache of mirror-averaged ones
+    # photos in one view (the default) read the first view training cached
     common = ["--model", "model", "--no-progress", "--threads", "1", "--smooth-k", "0"]
     assert build_mod.main([*common, "--photos", str(gallery), "--out", "one"]) == 0
-    assert "backbone features of 0 of 15 embedded photos" in capsys.readouterr().out
+    assert "backbone features of 15 of 15 embedded photos" in capsys.readouterr().out
+    assert build_mod.main([*common, "--photos", str(gallery), "--out", "one-plain",
+                           "--feature-cache", "none"]) == 0
+    np.testing.assert_allclose(load_index("one").index.reconstruct_n(0, 15),
+                               load_index("one-plain").index.reconstruct_n(0, 15), **CLOSE)
     # plain embeddings: an index grown by index.add equals one built at once only unsmoothed
     common += ["--photo-views", "2"]
     assert build_mod.main([*common, "--photos", str(gallery), "--out", "ix"]) == 0

@@ -3,10 +3,15 @@
 A cache entry is keyed by the backbone name, a fingerprint of its weights, the input size
 and normalisation, and the exact file list (path, size, mtime), so changed weights or
 changed data never reuse stale features.
+
+Features averaged with the mirror image's are computed as the two views' mean, and the
+first view's features, computed anyway, are cached too under the one-view key: an index
+that embeds photos in one view (index.embed) reads them instead of running the backbone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -22,7 +27,7 @@ from training.device import pick_device
 from training.files import atomic_save, atomic_write_bytes
 from training.images import images_to_tensor, load_image
 
-from .model.backbones import Backbone, weights_fingerprint
+from .model.backbones import Backbone, PooledFeatures, weights_fingerprint
 
 __all__ = ["ONNX_MIN_IMAGES", "backbone_graph", "cache_entry", "cache_key", "cached_tensor",
            "extract_features", "find_cached"]
@@ -129,23 +134,39 @@ def backbone_graph(backbone: Backbone, module: torch.nn.Module, image_size: int,
     return lambda x: run.run(None, {"images": np.ascontiguousarray(x, np.float32)})[0]
 
 
+def _one_view(module: torch.nn.Module) -> PooledFeatures | None:
+    """The same trunk pooled without the mirror average, for a module that averages (its
+    first view alone, what an index in one view embeds); None otherwise."""
+    if isinstance(module, PooledFeatures) and module.flip_average:
+        return PooledFeatures(module.trunk, False, module.pooling)
+    return None
+
+
 @torch.no_grad()
 def _compute(files, backbone, module, image_size, batch_size, device, desc,
-             cache_dir=None) -> torch.Tensor:
+             cache_dir=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(N, D) features of ``files`` and, for a mirror-averaging ``module``, (N, D) those of
+    the first view alone (else None): the two views go through the one-view network, whose
+    ONNX graph the sketches of the same weights share."""
     module = module.to(device).eval()
+    one = _one_view(module)
+    net = module if one is None else one.eval()
     if device.type == "cpu" and len(files) >= ONNX_MIN_IMAGES:
-        graph = backbone_graph(backbone, module, image_size, cache_dir,
-                               torch.get_num_threads())
+        graph = backbone_graph(backbone, net, image_size, cache_dir, torch.get_num_threads())
         forward = lambda x: torch.from_numpy(graph(x.numpy()))  # noqa: E731
     else:
-        forward = module
-    out = []
+        forward = net
+    out, first = [], []
     for i in tqdm(range(0, len(files), batch_size), desc=desc, unit="batch", leave=False):
         ims = [load_image(f) for f in files[i : i + batch_size]]  # ImageError names the file
         x = images_to_tensor(ims, image_size, backbone.mean, backbone.std).to(device)
         with torch.autocast(device.type, enabled=device.type == "cuda"):
-            out.append(forward(x).float().cpu())
-    return torch.cat(out)  # (N, D)
+            a = forward(x).float().cpu()
+            if one is not None:
+                first.append(a)
+                a = torch.stack([a, forward(x.flip(3)).float().cpu()]).mean(0)
+        out.append(a)
+    return torch.cat(out), (torch.cat(first) if first else None)  # (N, D) each
 
 
 def cache_entry(files, backbone: Backbone, module: torch.nn.Module, image_size: int,
@@ -176,8 +197,19 @@ def extract_features(
     if not files:
         return torch.zeros(0, backbone.feature_dim)
     key, path = cache_entry(files, backbone, module, image_size, cache_dir)
-    return cached_tensor(path, key, files, (len(files),), 2, lambda: _compute(
-        files, backbone, module, image_size, batch_size, device, desc, cache_dir))
+
+    def compute() -> torch.Tensor:
+        feats, first = _compute(files, backbone, module, image_size, batch_size, device, desc,
+                                cache_dir)
+        if first is not None and cache_dir is not None:  # the first view, computed anyway
+            one = _one_view(module)
+            bb = dataclasses.replace(backbone, module=one)
+            k1, p1 = cache_entry(files, bb, one, image_size, cache_dir)
+            atomic_save({"key": k1, "features": first, "files": [str(f) for f in files]}, p1)
+            log.info("cached the first view's features %s at %s", tuple(first.shape), p1)
+        return feats
+
+    return cached_tensor(path, key, files, (len(files),), 2, compute)
 
 
 def find_cached(files, backbone, fingerprint: str, image_size: int,
