@@ -71,7 +71,7 @@ class BuildConfig:
     encoder: str = "auto"  # photo encoder: auto (ONNX Runtime on CPU) | onnx | torch
     precision: str = "auto"  # ONNX graph: auto (the bundle's choice) | fp32 | int8
     # 1: each photo in one view (one backbone pass); 2: averaged with its mirror image, as
-    # the model was trained (twice the work; reads training's cached features)
+    # the model was trained (twice the backbone work); index.add follows the index's
     photo_views: int = 1
     progress: bool = True
     # Gallery smoothing (training.cdk.model.smoothing) of the stored photo vectors; None: the
