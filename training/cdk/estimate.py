@@ -29,7 +29,7 @@ __all__ = ["EXPORT_SECONDS", "Estimate", "duration", "estimate_run", "estimate_t
 
 SAMPLE = 8  # images of a timed forward
 # One encoder graph exported by torch.onnx (EfficientNet-Lite1 with its head, 2 cores); the
-# bundle exports two. Used when no backbone graph was exported while estimating.
+# bundle exports one an encoder. Used when no backbone graph was exported while estimating.
 EXPORT_SECONDS = 10.0
 
 
@@ -143,10 +143,13 @@ def estimate_run(cfg: Config, bbs: dict[str, Backbone], train: Dataset, others: 
                      torch.randn(len(train.photos), D, generator=g), train.sketch_labels,
                      train.photo_labels, photo_of)
     steps, step_s, epochs, spectrum_s = measure_training(cfg, data, bbs["photo"], device)
-    export = 2 * (max(exported) if exported else EXPORT_SECONDS)
+    # the encoders: each side as trained, and in one view (half the work) where averaged
+    single = [m for m in ("sketch", "photo") if bbs[m].flip_average]
+    export = (2 + len(single)) * (max(exported) if exported else EXPORT_SECONDS)
     quantize = 0.0
     if cfg.int8 and valid.classes:  # calibration, then parity on the validation classes
-        quantize = sum((CALIBRATION_IMAGES + n) / per_second[m] for m, n in
-                       (("sketch", len(valid.sketches)), ("photo", len(valid.photos))))
+        n = {"sketch": len(valid.sketches), "photo": len(valid.photos)}
+        quantize = (sum((CALIBRATION_IMAGES + n[m]) / per_second[m] for m in n)
+                    + sum((CALIBRATION_IMAGES + n[m]) / (2 * per_second[m]) for m in single))
     return Estimate({m: sum(v) for m, v in pending.items()}, per_second, steps, step_s,
                     epochs, spectrum_s, export + quantize)
