@@ -162,7 +162,7 @@ def test_other_bad_inputs_name_the_file(tmp_path):
 
 def test_training_and_index_embed_a_transparent_photo_alike(tmp_path):
     """The feature path of training and the gallery path of the index decode the same way."""
-    from index.embed import embed_photos
+    from index.embed import embed_photos, photo_encoder
     from index.gallery import scan_gallery
     from tests.bundles import untrained_bundle
     from training.cdk.checkpoint import load_checkpoint
@@ -187,7 +187,9 @@ def test_training_and_index_embed_a_transparent_photo_alike(tmp_path):
     scan = scan_gallery(tmp_path / "gallery")
 
     root, photos = scan.root, scan.photos
-    indexed = embed_photos(model, root, photos, progress=False).vectors  # (1, L)
+    # in the views training embedded it (mirror-averaged, as its features)
+    indexed = embed_photos(model, root, photos, photo_encoder(model, views=2),
+                           progress=False).vectors  # (1, L)
     np.testing.assert_allclose(indexed, trained, rtol=1e-4, atol=1e-5)
 
     black = e.embed([Image.open(photo).convert("RGB")], "photo")  # transparent -> black
