@@ -1,18 +1,19 @@
 """Retrieval quality as a user meets it: held-out sketches sent to a real service over HTTP,
 zero-shot (against their own classes' photos) and generalized (against the whole gallery).
 
-    python benchmarks/retrieval_bench.py --model runs/cdk/model --data DIR [--k 100]
+    python benchmarks/retrieval_bench.py --model runs/cdk/model --data DIR [--k 100] \
+        [--photo-views 1|2]
     python benchmarks/retrieval_bench.py --smoke        # an untrained model, tiny data: a check
 
 The held-out classes are the model's (its bundle records the class split it was trained
 with): the test classes, or the validation classes of a model without test classes
 (`--split none`). Two indexes are built with `python -m index.build` from the data's photos
-(defaults, as a user builds them): of the held-out classes' photos alone, and of every
-photo. For each, `python -m service` starts on a free local port and every held-out sketch
-is sent to `POST /retrieve?k=K` (default dims, `--k` 100), as the service answers by
-default. Printed per index: mAP over the top K (the precision at each relevant photo
-found, over the class's photos), P@10, and the share of the top 10 from classes the model
-trained on; written to OUT/results.json.
+(defaults, as a user builds them, but for `--photo-views`): of the held-out classes'
+photos alone, and of every photo. For each, `python -m service` starts on a free local
+port and every held-out sketch is sent to `POST /retrieve?k=K` (default dims, `--k` 100),
+as the service answers by default. Printed per index: mAP over the top K (the precision at
+each relevant photo found, over the class's photos), P@10, and the share of the top 10
+from classes the model trained on; written to OUT/results.json.
 """
 
 from __future__ import annotations
@@ -47,11 +48,12 @@ def held_out(model: Path) -> tuple[list[str], list[str]]:
     return (classes["test"] or classes["valid"]), classes["train"]
 
 
-def build(model: Path, photos: Path, out: Path) -> Path:
+def build(model: Path, photos: Path, out: Path, views: int = 1) -> Path:
     if not (out / "CURRENT").is_file():
         subprocess.run([sys.executable, "-m", "index.build", "--model", str(model), "--photos",
-                        str(photos), "--out", str(out), "--no-progress"], cwd=REPO,
-                       check=True, stdout=subprocess.DEVNULL)
+                        str(photos), "--out", str(out), "--no-progress",
+                        "--photo-views", str(views)], cwd=REPO, check=True,
+                       stdout=subprocess.DEVNULL)
     return out
 
 
@@ -101,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
                         "$SKETCHY_DATA)")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "retrieval")
     p.add_argument("--k", type=int, default=100)
+    p.add_argument("--photo-views", type=int, choices=(1, 2), default=1,
+                   help="index.build --photo-views: each photo in one view (the default) or "
+                        "averaged with its mirror image")
     p.add_argument("--trained", type=int, default=0, metavar="N",
                    help="also the first N sketches of each class the model trained on, "
                         "against every photo (its own training sketches: an optimistic "
@@ -130,7 +135,7 @@ def report(args) -> None:
     rows = {}
     for name, folder in (("zero-shot (held-out classes' photos)", own),
                          ("generalized (every photo)", photos)):
-        index = build(args.model, folder, args.out / name.split()[0])
+        index = build(args.model, folder, args.out / name.split()[0], args.photo_views)
         rows[name] = scores(sketches, query(index, sketches, args.k), relevant,
                             set(trained), args.k)
     if args.trained:

@@ -32,7 +32,7 @@
 # CHECK_TRAIN_ARGS (the compose file's TRAIN_ARGS for `train`; default none: the quick start's
 # model, whose 200 epochs take about 4 minutes on 2 cores once the features are extracted),
 # CHECK_MIN_PRECISION (0.5: the least precision@5 of the first sketch of every served class
-# against the served photo folder; the quick start's model scored 0.865 on the 40 classes'
+# against the served photo folder; the quick start's model scored 0.830 on the 40 classes'
 # folder, where photos drawn at random score 0.025), PHOTO_CLASSES (40).
 # Everything else it makes (containers, volumes, the network, the pod) is removed at the end,
 # also when a step fails. Logs of each step: CHECK_LOGS (a new folder under /var/tmp).
