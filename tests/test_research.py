@@ -500,7 +500,7 @@ def test_openworld_bench_smoke(tmp_path, capsys):
     from research import openworld_bench
 
     variants = ["default", "pseudo contour", "augment", "adapt + csls-gallery", "csls-train",
-                "modes 0.5 + csls-train + floor 0.05"]
+                "modes 0.5 + csls-train + floor 0.05", "single-view + csls-train"]
     assert openworld_bench.main(["--smoke", "--out", str(tmp_path), "--threads", "1",
                                  "--variants", *variants]) == 0
     rows = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
