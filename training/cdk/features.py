@@ -143,13 +143,12 @@ def _one_view(module: torch.nn.Module) -> PooledFeatures | None:
 
 
 @torch.no_grad()
-def _compute(files, backbone, module, image_size, batch_size, device, desc,
+def _compute(files, backbone, module, one, image_size, batch_size, device, desc,
              cache_dir=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(N, D) features of ``files`` and, for a mirror-averaging ``module``, (N, D) those of
-    the first view alone (else None): the two views go through the one-view network, whose
-    ONNX graph the sketches of the same weights share."""
+    """(N, D) features of ``files`` and, for a mirror-averaging ``module`` (``one``: its
+    _one_view), (N, D) those of the first view alone (else None): the two views go through
+    the one-view network, whose ONNX graph the sketches of the same weights share."""
     module = module.to(device).eval()
-    one = _one_view(module)
     net = module if one is None else one.eval()
     if device.type == "cpu" and len(files) >= ONNX_MIN_IMAGES:
         graph = backbone_graph(backbone, net, image_size, cache_dir, torch.get_num_threads())
@@ -197,12 +196,12 @@ def extract_features(
     if not files:
         return torch.zeros(0, backbone.feature_dim)
     key, path = cache_entry(files, backbone, module, image_size, cache_dir)
+    one = _one_view(module)
 
     def compute() -> torch.Tensor:
-        feats, first = _compute(files, backbone, module, image_size, batch_size, device, desc,
-                                cache_dir)
+        feats, first = _compute(files, backbone, module, one, image_size, batch_size, device,
+                                desc, cache_dir)
         if first is not None and cache_dir is not None:  # the first view, computed anyway
-            one = _one_view(module)
             bb = dataclasses.replace(backbone, module=one)
             k1, p1 = cache_entry(files, bb, one, image_size, cache_dir)
             atomic_save({"key": k1, "features": first, "files": [str(f) for f in files]}, p1)
