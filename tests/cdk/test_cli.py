@@ -116,8 +116,11 @@ def test_cli_end_to_end_and_embedder_reproduces_metrics(tiny, tmp_path, capsys):
     assert "model bundle" in printed and str(out / "model") in printed
     # the photos' single-view graph (indexing's default); none for the sketches: not averaged
     assert set(model.encoders) == {"sketch", "photo", "photo-single-view"}
-    for name, info in model.encoders.items():
+    for name in ("sketch", "photo-single-view"):  # what a default index and a query run
+        info = model.encoders[name]
         assert info.graphs["int8"] == f"{name}.int8.onnx" and info.parity["queries"] == 6
+    # the mirror-averaged photo graph (--photo-views 2 only) stays float32
+    assert model.encoders["photo"].graphs == {"fp32": "photo.onnx", "int8": None}
     assert model.training["classes"]["valid"] == list(VALID)
     e = model.embedder("cpu")
     assert e.photo_flip_average and not e.sketch_flip_average

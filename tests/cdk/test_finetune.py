@@ -244,6 +244,7 @@ def test_fine_tuned_run_stores_the_spectrum_of_its_final_backbones(dataset, lite
 
 @pytest.mark.parametrize("cut", [1, 2])  # after the first epoch, after the second
 def test_resume_reproduces_the_uninterrupted_run(dataset, lite0, tmp_path, monkeypatch, cut):
+    monkeypatch.setattr(train_mod, "CHECKPOINT_SECONDS", 0.0)  # a checkpoint every epoch
     kw = dict(trainable_stages=2, augment=True, epochs=3)
     data = _data(dataset, lite0)
     full = train_mod.train(_cfg(tmp_path / "full", **kw), data, lite0, tmp_path / "full")

@@ -126,8 +126,15 @@ def test_float_front_is_raised_until_parity_holds_and_timing_decides(tmp_path, m
     monkeypatch.setattr(make_bundle_mod, "_timing", lambda a, b, size: {"fp32": 10.0,
                                                                         "int8": 8.0})
     a = make_bundle(checkpoint, tmp_path / "a", data=DATA, threads=1)
-    # float32's side once an encoder: the photos' single-view graph is quantized too
-    assert fronts == [2, 6, 0, 0] and made == ["sketch", "photo", "photo"]
+    # float32's side once an encoder: the photos' single-view graph, which indexes by
+    # default; their mirror-averaged graph (--photo-views 2) stays float32 unless asked
+    assert fronts == [2, 6, 0] and made == ["sketch", "photo"]
+    two = a.encoders["photo"]
+    assert two.graphs["int8"] is None and two.precision == "fp32"
+    assert "--int8-two-views" in two.why and "photo.int8.onnx" not in a.files
+    with pytest.raises(BundleError, match="--photo-views 2"):
+        a.encoder("photo", "int8")
+    assert a.encoders["photo-single-view"].graphs["int8"] == "photo-single-view.int8.onnx"
     graph = OnnxEncoder(a.read("sketch.int8.onnx"), precision="int8")
     assert graph.meta["float_front"] == "6"
     assert _conv_weights_quantized(graph.data)[:7] == [False] * 6 + [True]
@@ -139,7 +146,7 @@ def test_float_front_is_raised_until_parity_holds_and_timing_decides(tmp_path, m
     fronts.clear()
     monkeypatch.setattr(quantize_mod, "ParityCheck", parity_at(-1))  # never holds
     b = make_bundle(checkpoint, tmp_path / "b", data=DATA, threads=1)
-    assert fronts == [2, 6, 9, 0, 0]
+    assert fronts == [2, 6, 9, 0]
     info = b.encoders["sketch"]
     assert info.precision == "fp32" and info.graphs["int8"] == "sketch.int8.onnx"
     assert not info.parity["holds"] and "fails the parity rule" in info.why
@@ -151,7 +158,9 @@ def test_float_front_is_raised_until_parity_holds_and_timing_decides(tmp_path, m
     monkeypatch.setattr(quantize_mod, "ParityCheck", parity_at(0))  # the photo graph holds
     monkeypatch.setattr(make_bundle_mod, "_timing", lambda a, b, size: {"fp32": 10.0,
                                                                         "int8": 9.5})
-    c = make_bundle(checkpoint, tmp_path / "c", data=DATA, threads=1)
+    fronts.clear()
+    c = make_bundle(checkpoint, tmp_path / "c", data=DATA, threads=1, int8_two_views=True)
+    assert fronts == [2, 6, 9, 0, 0]  # the mirror-averaged photo graph too
     assert c.encoders["photo"].parity["holds"] and c.encoders["photo"].precision == "fp32"
     assert "(served when <= 0.9 x)" in c.encoders["photo"].why
     assert c.encoder("photo", "int8").precision == "int8"  # holds parity: may be asked for

@@ -45,6 +45,7 @@ def test_ddp_two_processes_equal_one(tmp_path):
 
 
 def test_resume_after_interruption_equals_uninterrupted(tmp_path, monkeypatch):
+    monkeypatch.setattr(train_mod, "CHECKPOINT_SECONDS", 0.0)  # a checkpoint every epoch
     cfg = _cfg(tmp_path)
     train_mod.train(cfg, synthetic_data(), synthetic_backbone(), tmp_path / "full")
 
@@ -134,6 +135,7 @@ def test_input_dropout_masks_are_drawn_per_step_at_the_configured_rate(tmp_path,
         return real(self, x, input_scale)
 
     monkeypatch.setattr(train_mod.Head, "forward", spy)
+    monkeypatch.setattr(train_mod, "CHECKPOINT_SECONDS", 0.0)  # a spectrum every epoch
     data = synthetic_data()
     train_mod.train(_cfg(tmp_path, input_dropout=0.25, epochs=2), data, synthetic_backbone(),
                     tmp_path / "drop")
@@ -259,7 +261,8 @@ def test_a_sampler_is_passed_not_patched(tmp_path):
     sampler = Counting(PairSampler(data.sketch_labels, data.photo_labels))
     assert isinstance(sampler, Sampler) and not isinstance(sampler, PairSampler)
     own = train_mod.train(_cfg(tmp_path), data, bb, tmp_path / "s", sampler=sampler)
-    assert sampler.epochs == [0, 1, 2] and sampler.moments == 3 + 2  # + the held-out halves
+    # one spectrum pass (the last epoch's: they are milliseconds) and the held-out halves
+    assert sampler.epochs == [0, 1, 2] and sampler.moments == 1 + 2
     torch.testing.assert_close(own.singular_values, default.singular_values, rtol=0, atol=0)
     for m in ("sketch", "photo"):
         for k, v in default.heads[m].state_dict().items():
@@ -293,9 +296,38 @@ def test_time_estimate_comes_before_the_first_step_and_changes_nothing(tmp_path,
     monkeypatch.setattr(train_mod.Step, "__call__", spy)
     timed = train_mod.train(_cfg(tmp_path), data, bb, tmp_path / "b",
                             estimate=lambda *a: calls.append(a))
-    (steps_left, step_s, epochs_left, spectrum_s), = calls
-    assert (steps_left, epochs_left) == (3 * (24 // 8), 3) and step_s > 0 and spectrum_s > 0
+    (steps_left, step_s, passes_left, spectrum_s), = calls
+    # three epochs of milliseconds: one spectrum pass, the last epoch's
+    assert (steps_left, passes_left) == (3 * (24 // 8), 1) and step_s > 0 and spectrum_s > 0
     assert steps[:2] == [0, 0] and set(steps[2:]) == {1}  # two probe steps, then the run's
     for m in ("sketch", "photo"):  # the probe ran on a copy: the run is the same
         for k, v in plain.heads[m].state_dict().items():
             torch.testing.assert_close(timed.heads[m].state_dict()[k], v, rtol=0, atol=0)
+
+
+def test_spectrum_and_checkpoint_cadence_changes_no_weight(tmp_path, monkeypatch):
+    """Epochs end with the spectrum and a checkpoint CHECKPOINT_SECONDS apart: the weights
+    are those of a run that ends every epoch so; only the log and the history differ."""
+    cfg = _cfg(tmp_path, epochs=4)
+    saves = []
+    real_save = train_mod.save_checkpoint
+    monkeypatch.setattr(train_mod, "save_checkpoint",
+                        lambda *a, **k: (saves.append(k["epoch"]), real_save(*a, **k)))
+    few = train_mod.train(cfg, synthetic_data(), synthetic_backbone(), tmp_path / "few")
+    assert saves == [4]  # milliseconds an epoch: only the last
+    assert ["sigma_top" in h for h in few.history] == [False, False, False, True]
+    monkeypatch.setattr(train_mod, "CHECKPOINT_SECONDS", 0.0)
+    every = train_mod.train(cfg, synthetic_data(), synthetic_backbone(), tmp_path / "every")
+    assert saves == [4, 1, 2, 3, 4] and all("sigma_top" in h for h in every.history)
+    for m in ("sketch", "photo"):
+        for k, v in every.heads[m].state_dict().items():
+            torch.testing.assert_close(few.heads[m].state_dict()[k], v, rtol=0, atol=0)
+    torch.testing.assert_close(few.singular_values, every.singular_values, rtol=0, atol=0)
+    assert [h["loss"] for h in few.history] == [h["loss"] for h in every.history]
+
+
+@pytest.mark.parametrize("epochs,epoch_s,passes", [
+    (200, 0.3, 3),  # 60 s of training: at 30 s, 60 s (the last)
+    (200, 0.001, 1), (5, 40.0, 5), (0, 1.0, 0), (3, 29.0, 3)])
+def test_spectrum_passes_counts_the_cadence(epochs, epoch_s, passes):
+    assert train_mod.spectrum_passes(epochs, epoch_s) == passes

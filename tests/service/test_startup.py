@@ -177,7 +177,10 @@ def test_trained_model_serves_a_new_photo_folder_without_its_training_data(
     assert built.returncode == 0, built.stderr
     assert "12 photos, kind=flat" in built.stdout
     assert "skipped 1 files that are not images: notes.txt" in built.stdout
-    assert f"onnxruntime {model.encoders['photo'].precision} photo encoder" in built.stdout
+    # photos in one view (the default): the single-view graph, in the bundle's precision
+    single = model.encoders["photo-single-view"]
+    assert single.graphs["int8"] and single.parity
+    assert f"onnxruntime {single.precision} photo encoder" in built.stdout
 
     before = snapshot(index, model.path)
     sketch = sorted((sketchy_mini / "sketch" / classes[11]).iterdir())[0].read_bytes()

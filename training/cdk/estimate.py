@@ -20,7 +20,7 @@ from training.images import images_to_tensor
 
 from .config import Config, input_size
 from .data import Dataset
-from .features import ONNX_MIN_IMAGES, backbone_graph, cache_entry
+from .features import ONNX_MIN_IMAGES, backbone_graph, cache_entry, one_view
 from .model.backbones import Backbone
 from .quantize import CALIBRATION_IMAGES
 from .train import TrainData, measure_training
@@ -39,7 +39,7 @@ class Estimate:
     per_second: dict[str, float]  # their rate here, decoding's resizing included
     steps: int
     step_s: float
-    epochs: int
+    passes: int  # spectrum passes (training.cdk.train.CHECKPOINT_SECONDS apart)
     spectrum_s: float
     bundle_s: float
 
@@ -49,7 +49,7 @@ class Estimate:
 
     @property
     def train_s(self) -> float:
-        return self.steps * self.step_s + self.epochs * self.spectrum_s
+        return self.steps * self.step_s + self.passes * self.spectrum_s
 
     def text(self) -> str:
         plural = {"sketch": "sketches", "photo": "photos"}
@@ -60,19 +60,19 @@ class Estimate:
                 f"first image (features of {sum(self.images.values())} images "
                 f"{duration(self.features_s)}{f' at {rates}' if rates else ''}; training "
                 f"{duration(self.train_s)}: {self.steps} steps x {self.step_s:.3f} s and "
-                f"{self.epochs} spectrum passes x {self.spectrum_s:.3f} s; the model bundle "
+                f"{self.passes} spectrum passes x {self.spectrum_s:.3f} s; the model bundle "
                 f"about {duration(self.bundle_s)}; evaluation not included)")
 
 
-def estimate_text(steps: int, step_s: float, epochs: int, spectrum_s: float,
+def estimate_text(steps: int, step_s: float, passes: int, spectrum_s: float,
                   features_s: float) -> str:
     """The run's time after its features, before its first step: training from a step and
     a spectrum pass measured on this machine, and the evaluation images still to embed at
     the rate the features took (none left on the frozen path with a cache; evaluation's
     own arithmetic is small beside them)."""
-    train_s = steps * step_s + epochs * spectrum_s
+    train_s = steps * step_s + passes * spectrum_s
     return (f"estimated time from here: {duration(train_s + features_s)} (training "
-            f"{duration(train_s)}: {steps} steps x {step_s:.3f} s and {epochs} spectrum "
+            f"{duration(train_s)}: {steps} steps x {step_s:.3f} s and {passes} spectrum "
             f"passes x {spectrum_s:.3f} s, measured here; evaluation features "
             f"{duration(features_s)})")
 
@@ -100,19 +100,21 @@ def _pending(cfg: Config, bbs: dict[str, Backbone], sets: list[Dataset]
 
 def _rate(cfg: Config, bb: Backbone, modality: str, sizes: list[int]) -> tuple[float, float]:
     """(images a second through `bb` as extract_features runs them, including resizing a
-    decoded image; seconds spent exporting a backbone graph now)."""
+    decoded image; seconds spent exporting a backbone graph now). A mirror-averaging
+    module is timed as extract_features runs it: its one-view network, twice an image."""
     size = input_size(cfg, modality)
+    one = one_view(bb.module)
+    net, views = (bb.module, 1) if one is None else (one, 2)
     export_s = 0.0
     if sizes and max(sizes) >= ONNX_MIN_IMAGES:
         t0 = time.perf_counter()
-        graph = backbone_graph(bb, bb.module, size, cfg.cache_dir or None,
-                               torch.get_num_threads())
+        graph = backbone_graph(bb, net, size, cfg.cache_dir or None, torch.get_num_threads())
         export_s = time.perf_counter() - t0
 
         def forward(x):
             return graph(x.numpy())
     else:
-        module = bb.module.eval()
+        module = net.eval()
 
         def forward(x):
             with torch.no_grad():
@@ -125,7 +127,7 @@ def _rate(cfg: Config, bb: Backbone, modality: str, sizes: list[int]) -> tuple[f
         t0 = time.perf_counter()
         forward(images_to_tensor(images, size, bb.mean, bb.std))
         times.append(time.perf_counter() - t0)
-    return SAMPLE / times[-1], export_s
+    return SAMPLE / (views * times[-1]), export_s
 
 
 def estimate_run(cfg: Config, bbs: dict[str, Backbone], train: Dataset, others: list[Dataset],
@@ -142,14 +144,17 @@ def estimate_run(cfg: Config, bbs: dict[str, Backbone], train: Dataset, others: 
     data = TrainData(torch.randn(len(train.sketches), D, generator=g),
                      torch.randn(len(train.photos), D, generator=g), train.sketch_labels,
                      train.photo_labels, photo_of)
-    steps, step_s, epochs, spectrum_s = measure_training(cfg, data, bbs["photo"], device)
-    # the encoders: each side as trained, and in one view (half the work) where averaged
+    steps, step_s, passes, spectrum_s = measure_training(cfg, data, bbs["photo"], device)
+    # the encoders: each side as trained, and in one view (half the work) where averaged;
+    # int8 (make_bundle): all but the mirror-averaged photo graph
     single = [m for m in ("sketch", "photo") if bbs[m].flip_average]
     export = (2 + len(single)) * (max(exported) if exported else EXPORT_SECONDS)
     quantize = 0.0
     if cfg.int8 and valid.classes:  # calibration, then parity on the validation classes
         n = {"sketch": len(valid.sketches), "photo": len(valid.photos)}
-        quantize = (sum((CALIBRATION_IMAGES + n[m]) / per_second[m] for m in n)
-                    + sum((CALIBRATION_IMAGES + n[m]) / (2 * per_second[m]) for m in single))
+        one_view = {m: per_second[m] * (2 if m in single else 1) for m in n}  # images/s
+        views = {m: [1, 2] if m in single and m == "sketch" else [1] for m in n}
+        quantize = sum((CALIBRATION_IMAGES + n[m]) * v / one_view[m]
+                       for m in n for v in views[m])
     return Estimate({m: sum(v) for m, v in pending.items()}, per_second, steps, step_s,
-                    epochs, spectrum_s, export + quantize)
+                    passes, spectrum_s, export + quantize)

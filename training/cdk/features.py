@@ -30,7 +30,7 @@ from training.images import images_to_tensor, load_image
 from .model.backbones import Backbone, PooledFeatures, weights_fingerprint
 
 __all__ = ["ONNX_MIN_IMAGES", "backbone_graph", "cache_entry", "cache_key", "cached_tensor",
-           "extract_features", "find_cached"]
+           "extract_features", "find_cached", "one_view"]
 
 log = logging.getLogger(__name__)
 _VERSION = 2  # bump when preprocessing changes (2: EXIF orientation, 16-bit scaling)
@@ -134,7 +134,7 @@ def backbone_graph(backbone: Backbone, module: torch.nn.Module, image_size: int,
     return lambda x: run.run(None, {"images": np.ascontiguousarray(x, np.float32)})[0]
 
 
-def _one_view(module: torch.nn.Module) -> PooledFeatures | None:
+def one_view(module: torch.nn.Module) -> PooledFeatures | None:
     """The same trunk pooled without the mirror average, for a module that averages (its
     first view alone, what an index in one view embeds); None otherwise."""
     if isinstance(module, PooledFeatures) and module.flip_average:
@@ -146,7 +146,7 @@ def _one_view(module: torch.nn.Module) -> PooledFeatures | None:
 def _compute(files, backbone, module, one, image_size, batch_size, device, desc,
              cache_dir=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(N, D) features of ``files`` and, for a mirror-averaging ``module`` (``one``: its
-    _one_view), (N, D) those of the first view alone (else None): the two views go through
+    one_view), (N, D) those of the first view alone (else None): the two views go through
     the one-view network, whose ONNX graph the sketches of the same weights share."""
     module = module.to(device).eval()
     net = module if one is None else one.eval()
@@ -196,7 +196,7 @@ def extract_features(
     if not files:
         return torch.zeros(0, backbone.feature_dim)
     key, path = cache_entry(files, backbone, module, image_size, cache_dir)
-    one = _one_view(module)
+    one = one_view(module)
 
     def compute() -> torch.Tensor:
         feats, first = _compute(files, backbone, module, one, image_size, batch_size, device,

@@ -10,7 +10,10 @@ training-class images, measures the int8 graph's parity with float32 on the vali
 classes (training.cdk.quantize) and times one forward of each precision on this CPU; an
 encoder is served in int8 by default where the parity holds and int8 takes at most FASTER x
 float32's time, and the bundle records the evidence. Without the training data the bundle
-holds float32 graphs only, and says why.
+holds float32 graphs only, and says why. The photo graph of a side trained mirror-averaged
+is left in float32 unless ``--int8-two-views`` asks (only ``index.build --photo-views 2``
+runs it; indexing's default, the one-view graph, is quantized): it is the slowest graph to
+calibrate, and a model nobody indexes in two views would pay for it on every bundle.
 
 The folder is written beside ``--out`` and renamed into place, so a reader finds the old
 bundle or the new one, never half of one.
@@ -145,8 +148,8 @@ class _Writer:
             say(f"exported the {name} encoder ({len(data) / 1e6:.1f} MB) in "
                 f"{time.perf_counter() - t0:.1f} s")
 
-    def float_only(self, why: str) -> None:
-        for name in self.embedders:
+    def float_only(self, why: str, names=None) -> None:
+        for name in self.embedders if names is None else names:
             self.info[name] = EncoderInfo({"fp32": f"{name}.onnx", "int8": None}, "fp32", why)
 
     def quantize(self, name: str, train, refs: References, say) -> None:
@@ -250,14 +253,27 @@ def _provenance(cfg: Config, ckpt_sha: str, data: str | Path | None, trained: bo
     return out
 
 
+TWO_VIEWS_FLOAT = ("float32 only: indexes in two views (index.build --photo-views 2) run "
+                   "this graph, the default's one-view graph is quantized; python -m "
+                   "training.cdk.make_bundle --int8-two-views quantizes it too")
+
+
+def _quantized(embedders: dict[str, Embedder], two_views: bool) -> list[str]:
+    """The encoders made in int8 too: all, but the photo graph of a side trained
+    mirror-averaged only when ``two_views`` (indexing's default is its one-view graph)."""
+    return [n for n in embedders
+            if two_views or not (n == "photo" and "photo-single-view" in embedders)]
+
+
 def make_bundle(checkpoint: str | Path, out: str | Path, data: str | Path | None = None,
                 references: References | None = None, threads: int = 2,
-                say=log.info, int8: bool = True) -> Bundle:
+                say=log.info, int8: bool = True, int8_two_views: bool = False) -> Bundle:
     """Write the bundle of ``checkpoint`` at ``out`` (replacing one there) and open it.
     ``data``: the training data (default: the folder the checkpoint was trained on), for
     int8 calibration and parity; ``references``: float32 embeddings of its validation
     classes when the caller has them (training does), else the float32 graphs embed them;
-    ``int8`` False: float32 graphs only."""
+    ``int8`` False: float32 graphs only; ``int8_two_views``: the mirror-averaged photo graph
+    (next to its one-view graph) in int8 too."""
     from .quantize import QuantizationError, calibration_sets
 
     t0 = time.perf_counter()
@@ -280,8 +296,10 @@ def make_bundle(checkpoint: str | Path, out: str | Path, data: str | Path | None
             raise QuantizationError("not asked for (--int8 false)")
         train, valid = calibration_sets(data or cfg.data, cfg.split)
         refs = references or _references(writer, valid)
-        for name in embedders:
+        quantized = _quantized(embedders, int8_two_views)
+        for name in quantized:
             writer.quantize(name, train, refs, say)
+        writer.float_only(TWO_VIEWS_FLOAT, [n for n in embedders if n not in quantized])
     except QuantizationError as err:
         log.warning("the bundle serves float32 only: %s", err)
         writer.float_only(f"no int8 graph: {err}")
@@ -346,12 +364,13 @@ class BundleConfig:
     data: str = ""  # the training data (int8 calibration); "": the checkpoint's
     threads: int = 2  # ONNX Runtime threads while calibrating and measuring parity
     int8: bool = True  # int8 encoders too (they need the training data); false: float32
+    int8_two_views: bool = False  # the mirror-averaged photo graph in int8 too (--photo-views 2)
 
 
 def bundle_from_checkpoint(cfg: BundleConfig, say=print) -> Bundle:
     out = cfg.out or str(Path(cfg.checkpoint).parent / "model")
     return make_bundle(cfg.checkpoint, out, cfg.data or None, threads=cfg.threads, say=say,
-                       int8=cfg.int8)
+                       int8=cfg.int8, int8_two_views=cfg.int8_two_views)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,10 +38,26 @@ from .model.backbones import Backbone
 from .model.heads import MODALITIES, Head, RawProjection, fit_raw_projections
 from .spectrum import sort_modes, spectrum
 
-__all__ = ["TrainData", "TrainResult", "InputDropout", "Step", "build_model",
-           "make_optimiser", "measure_training", "train"]
+__all__ = ["CHECKPOINT_SECONDS", "TrainData", "TrainResult", "InputDropout", "Step",
+           "build_model", "make_optimiser", "measure_training", "spectrum_passes", "train"]
 
 log = logging.getLogger(__name__)
+
+# An epoch ends with the spectrum pass (its sigma in the log) and a checkpoint when it is the
+# last, or when this many seconds have passed since the last checkpoint: every epoch of a
+# long run, a few of a run of short epochs (the quick start's are 0.3 s; a spectrum pass
+# and a 30 MB checkpoint each epoch would add half again to its training).
+CHECKPOINT_SECONDS = 30.0
+
+
+def spectrum_passes(epochs: int, epoch_s: float) -> int:
+    """About how many of ``epochs`` epochs of ``epoch_s`` seconds end with a spectrum pass
+    and a checkpoint (CHECKPOINT_SECONDS apart, and the last)."""
+    if epochs <= 0:
+        return 0
+    if epoch_s >= CHECKPOINT_SECONDS:
+        return epochs
+    return min(epochs, int(epochs * epoch_s // CHECKPOINT_SECONDS) + 1)
 
 
 @dataclass
@@ -210,7 +226,7 @@ def _measure(model: PairModel, masks, inputs, batches, grad_clip: float,
 
 def measure_training(cfg: Config, data: TrainData, backbone: Backbone, device=None
                      ) -> tuple[int, float, int, float]:
-    """(steps, seconds a step takes, epochs, seconds a spectrum pass takes) of a whole run of
+    """(steps, seconds a step takes, spectrum passes, seconds one takes) of a whole run of
     ``cfg`` on frozen features like ``data``'s, timed on a fresh model: only the features'
     shapes and the labels matter, so random features estimate a run before any image is
     read. The global RNG is seeded as train() seeds it again."""
@@ -228,7 +244,8 @@ def measure_training(cfg: Config, data: TrainData, backbone: Backbone, device=No
     batches = list(sampler.epoch(cfg.seed, 0, cfg.batch_size))
     t_step, t_spectrum = _measure(model, masks, inputs, batches, cfg.grad_clip, dropout, 1, 0,
                                   sampler, cfg.seed)
-    return len(batches) * cfg.epochs, t_step, cfg.epochs, t_spectrum
+    return (len(batches) * cfg.epochs, t_step,
+            spectrum_passes(cfg.epochs, len(batches) * t_step), t_spectrum)
 
 
 def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path, device=None,
@@ -240,8 +257,9 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
     sampler: the pair distribution p(x, y) whose CDK is learned, over the rows of ``data``
     (a ``data.Sampler``; None: the config's, data.PairSampler of cfg.pairing and
     cfg.instance_share); it draws every batch and weighs the spectrum pass. estimate:
-    called before the first step as estimate(steps left, seconds a step takes, epochs
-    left, seconds a spectrum pass takes), both times measured on a copy of the model."""
+    called before the first step as estimate(steps left, seconds a step takes, spectrum
+    passes left, seconds a spectrum pass takes), both times measured on a copy of the
+    model. The spectrum and the checkpoint follow CHECKPOINT_SECONDS."""
     if sampler is not None and not isinstance(sampler, Sampler):
         missing = [m for m in ("steps_per_epoch", "epoch", "joint_moment", "photo_marginal",
                                "halves") if not callable(getattr(sampler, m, None))]
@@ -284,20 +302,34 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
         t_step, t_spectrum = _measure(model, masks, inputs, batches(start), cfg.grad_clip,
                                       dropout, world, rank, sampler, cfg.seed)
         left = cfg.epochs - start
-        estimate(left * len(batches(start)), t_step, left, t_spectrum)
+        steps = len(batches(start))
+        estimate(left * steps, t_step, spectrum_passes(left, steps * t_step), t_spectrum)
+    saved = time.perf_counter()
     for epoch in range(start, cfg.epochs):
         t0 = time.perf_counter()
         torch.manual_seed(cfg.seed * 1_000_003 + epoch)  # dropout/drop-connect: resumable
         dropout.reseed(cfg.seed * 1_000_003 + epoch + 500_009)  # its own stream
         set_train_mode(model)
         losses = [step(xs, ys) for xs, ys in inputs.steps(batches(epoch), epoch)]
-        last = _end_epoch(cfg, model, sampler, inputs, history, epoch, losses, sched,
-                          time.perf_counter() - t0)
+        # every rank decides alike (ranks that disagree on the clock would deadlock)
+        due = torch.tensor(float(epoch + 1 == cfg.epochs
+                                 or time.perf_counter() - saved >= CHECKPOINT_SECONDS))
+        if world > 1:
+            due = due.to(device)
+            torch.distributed.broadcast(due, 0)  # rank 0's clock
+        history.append({"epoch": epoch + 1, "loss": float(np.mean(losses)),
+                        "lr": sched.get_last_lr()[0], "seconds": time.perf_counter() - t0})
+        if not due.item():
+            log.info("epoch %d/%d loss %.4f (%.1fs)", epoch + 1, cfg.epochs,
+                     history[-1]["loss"], history[-1]["seconds"])
+            continue
+        last = _end_epoch(cfg, model, sampler, inputs, history, epoch)
         if rank == 0:
             _save(ckpt_path, cfg, backbone, model, raw, last, history, epoch + 1,
                   None if epoch + 1 == cfg.epochs else {"optimizer": opt.state_dict(),
                                                         "scheduler": sched.state_dict()})
         barrier()
+        saved = time.perf_counter()
     model.eval()
     final = history[-1] if history else {}
     return TrainResult(dict(model.heads), None if model.backbones is None
@@ -321,15 +353,14 @@ def _inputs(cfg: Config, data: TrainData, backbone: Backbone, model: PairModel, 
                        cfg.cache_dir or None, device, cache=training)
 
 
-def _end_epoch(cfg: Config, model: PairModel, sampler, inputs, history: list, epoch: int,
-               losses: list[float], sched, seconds: float) -> dict:
-    """The spectrum after an epoch, its history entry, and after the last epoch the order
-    check and (cfg.sort_modes) the modes sorted: {"sv", "sv_norm"} as they now stand."""
+def _end_epoch(cfg: Config, model: PairModel, sampler, inputs, history: list, epoch: int
+               ) -> dict:
+    """The spectrum after an epoch (added to its history entry, the last one), and after
+    the last epoch the order check and (cfg.sort_modes) the modes sorted: {"sv",
+    "sv_norm"} as they now stand."""
     final = epoch + 1 == cfg.epochs
     sv, sv_norm, held = spectrum(model, sampler, inputs, cfg.seed, heldout=final)
-    history.append({"epoch": epoch + 1, "loss": float(np.mean(losses)),
-                    "lr": sched.get_last_lr()[0], "seconds": seconds,
-                    "sigma_top": sv[: min(4, cfg.modes)].tolist()})
+    history[-1]["sigma_top"] = sv[: min(4, cfg.modes)].tolist()
     if final:
         # the order as trained, and whether it holds on held-out halves; then (when
         # cfg.sort_modes) the coordinates in the estimated order
@@ -339,7 +370,8 @@ def _end_epoch(cfg: Config, model: PairModel, sampler, inputs, history: list, ep
             sv, sv_norm, perm = sort_modes(model, sv, sv_norm)
             history[-1]["sorted_from"] = perm.tolist()  # coordinate l was mode perm[l]
     log.info("epoch %d/%d loss %.4f sigma[:4] %s (%.1fs)", epoch + 1, cfg.epochs,
-             history[-1]["loss"], [round(v, 3) for v in history[-1]["sigma_top"]], seconds)
+             history[-1]["loss"], [round(v, 3) for v in history[-1]["sigma_top"]],
+             history[-1]["seconds"])
     return {"sv": sv, "sv_norm": sv_norm}
 
 
