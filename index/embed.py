@@ -149,7 +149,11 @@ def photo_encoder(model, threads: int = 2, choice: str = "auto", precision: str 
             raise ValueError("--precision int8 needs the ONNX Runtime photo encoder (--encoder "
                              "onnx, or auto on a CPU); the PyTorch encoder runs in float32")
         return TorchPhotos(model.embedder(device, photo_flip_average=mirror))
-    return model.encoder(model.encoder_name("photo", mirror), precision, threads)
+    name = model.encoder_name("photo", mirror)
+    encoder = model.encoder(name, precision, threads)
+    if precision == "auto" and encoder.precision == "fp32":  # say why, and what would help
+        log.info("the %s encoder runs in float32: %s", name, model.encoders[name].why)
+    return encoder
 
 
 class PhotoFiles(torch.utils.data.Dataset):

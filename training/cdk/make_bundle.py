@@ -255,7 +255,8 @@ def _provenance(cfg: Config, ckpt_sha: str, data: str | Path | None, trained: bo
 
 TWO_VIEWS_FLOAT = ("float32 only: indexes in two views (index.build --photo-views 2) run "
                    "this graph, the default's one-view graph is quantized; python -m "
-                   "training.cdk.make_bundle --int8-two-views quantizes it too")
+                   "training.cdk.make_bundle --checkpoint CHECKPOINT --int8-two-views "
+                   "quantizes it too")
 
 
 def _quantized(embedders: dict[str, Embedder], two_views: bool) -> list[str]:
