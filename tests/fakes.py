@@ -49,6 +49,8 @@ class FakeModel:
             hubness_correction=lambda: hub,
             flip_average={"sketch": False, "photo": False}, finetuned=False)
         self._sample = torch.zeros(0, L) if sample is None else sample
+        self.encoders = {m: SimpleNamespace(precision="fp32", why="a fake's graphs are float32")
+                         for m in ("sketch", "photo")}  # what a Bundle records of each
         g = torch.Generator().manual_seed(seed)
         self.singular_values = torch.linspace(1.0, 0.1, L)
         self._proj = {
