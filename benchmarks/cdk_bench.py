@@ -34,7 +34,7 @@ COMPARED = ("lora", "neuralsvd-seq", "neuralsvd-jnt")
 FRACTION_DIMS = (16, 32, 64, 128)
 # --smoke: the overrides that make a run take seconds on small data
 SMOKE = {"modes": 4, "hidden": 16, "epochs": 2, "batch_size": 6, "image_size": 32, "k": 2,
-         "gallery_queries": 2, "gallery_topk": 2}
+         "gallery_queries": 2, "gallery_topk": 2, "int8": False}
 
 
 def _ms(values) -> str:
