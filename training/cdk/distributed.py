@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["init_from_env", "rank_and_world", "barrier", "shutdown", "main_first",
-           "gather_rows"]
+           "rank0_says", "gather_rows"]
 
 T = TypeVar("T")
 
@@ -62,6 +62,16 @@ def main_first(step: Callable[[], T]) -> T:
         out = step()
     barrier()
     return out
+
+
+def rank0_says(flag: bool, device: torch.device) -> bool:
+    """Rank 0's ``flag`` on every rank (``flag`` itself in a single process): a decision
+    each rank computes from its own clock must be one decision, or the ranks deadlock."""
+    if not dist.is_initialized():
+        return flag
+    out = torch.tensor(float(flag), device=device)
+    dist.broadcast(out, 0)
+    return bool(out.item())
 
 
 def gather_rows(x: torch.Tensor, world: int, rank: int) -> torch.Tensor:

@@ -21,7 +21,9 @@ from training.images import images_to_tensor
 from .config import Config, input_size
 from .data import Dataset
 from .features import ONNX_MIN_IMAGES, backbone_graph, cache_entry, one_view
+from .make_bundle import int8_encoders
 from .model.backbones import Backbone
+from .model.bundle import modality_of
 from .quantize import CALIBRATION_IMAGES
 from .train import TrainData, measure_training
 
@@ -145,16 +147,16 @@ def estimate_run(cfg: Config, bbs: dict[str, Backbone], train: Dataset, others: 
                      torch.randn(len(train.photos), D, generator=g), train.sketch_labels,
                      train.photo_labels, photo_of)
     steps, step_s, passes, spectrum_s = measure_training(cfg, data, bbs["photo"], device)
-    # the encoders: each side as trained, and in one view (half the work) where averaged;
-    # int8 (make_bundle): all but the mirror-averaged photo graph
+    # the encoders: each side as trained, and in one view (half the work) where averaged
     single = [m for m in ("sketch", "photo") if bbs[m].flip_average]
-    export = (2 + len(single)) * (max(exported) if exported else EXPORT_SECONDS)
+    encoders = ["sketch", "photo", *(f"{m}-single-view" for m in single)]
+    export = len(encoders) * (max(exported) if exported else EXPORT_SECONDS)
     quantize = 0.0
     if cfg.int8 and valid.classes:  # calibration, then parity on the validation classes
         n = {"sketch": len(valid.sketches), "photo": len(valid.photos)}
-        one_view = {m: per_second[m] * (2 if m in single else 1) for m in n}  # images/s
-        views = {m: [1, 2] if m in single and m == "sketch" else [1] for m in n}
-        quantize = sum((CALIBRATION_IMAGES + n[m]) * v / one_view[m]
-                       for m in n for v in views[m])
+        for name in int8_encoders(encoders):  # a mirror-averaged graph: two passes an image
+            m = modality_of(name)
+            one_pass = per_second[m] * (2 if m in single else 1)  # images/s in one view
+            quantize += (CALIBRATION_IMAGES + n[m]) * (2 if name in single else 1) / one_pass
     return Estimate({m: sum(v) for m, v in pending.items()}, per_second, steps, step_s,
                     passes, spectrum_s, export + quantize)

@@ -58,7 +58,7 @@ from .model.heads import MODALITIES
 from .splits import split_classes
 
 __all__ = ["FASTER", "References", "bundle_from_checkpoint", "embedder_of_checkpoint",
-           "inference_of", "make_bundle"]
+           "inference_of", "int8_encoders", "make_bundle"]
 
 log = logging.getLogger(__name__)
 
@@ -259,11 +259,12 @@ TWO_VIEWS_FLOAT = ("float32 only: indexes in two views (index.build --photo-view
                    "quantizes it too")
 
 
-def _quantized(embedders: dict[str, Embedder], two_views: bool) -> list[str]:
-    """The encoders made in int8 too: all, but the photo graph of a side trained
-    mirror-averaged only when ``two_views`` (indexing's default is its one-view graph)."""
-    return [n for n in embedders
-            if two_views or not (n == "photo" and "photo-single-view" in embedders)]
+def int8_encoders(names, two_views: bool = False) -> list[str]:
+    """Which of a bundle's encoders ``names`` are made in int8 too: all, but the photo
+    graph of a side trained mirror-averaged only when ``two_views`` (indexing's default is
+    its one-view graph)."""
+    return [n for n in names
+            if two_views or not (n == "photo" and "photo-single-view" in names)]
 
 
 def make_bundle(checkpoint: str | Path, out: str | Path, data: str | Path | None = None,
@@ -297,7 +298,7 @@ def make_bundle(checkpoint: str | Path, out: str | Path, data: str | Path | None
             raise QuantizationError("not asked for (--int8 false)")
         train, valid = calibration_sets(data or cfg.data, cfg.split)
         refs = references or _references(writer, valid)
-        quantized = _quantized(embedders, int8_two_views)
+        quantized = int8_encoders(list(embedders), int8_two_views)
         for name in quantized:
             writer.quantize(name, train, refs, say)
         writer.float_only(TWO_VIEWS_FLOAT, [n for n in embedders if n not in quantized])

@@ -30,7 +30,7 @@ from ..loss import cdk_loss, nesting_masks
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import NESTING_OF, RUNTIME_FIELDS, Config, nesting_weights, to_dict
 from .data import PairSampler, Sampler
-from .distributed import barrier, gather_rows, rank_and_world
+from .distributed import barrier, gather_rows, rank0_says, rank_and_world
 from .finetune import Split, validate_images
 from .inputs import FeatureInputs, ImageInputs, PairModel, set_train_mode
 from .metrics import spectrum_order
@@ -53,10 +53,6 @@ CHECKPOINT_SECONDS = 30.0
 def spectrum_passes(epochs: int, epoch_s: float) -> int:
     """About how many of ``epochs`` epochs of ``epoch_s`` seconds end with a spectrum pass
     and a checkpoint (CHECKPOINT_SECONDS apart, and the last)."""
-    if epochs <= 0:
-        return 0
-    if epoch_s >= CHECKPOINT_SECONDS:
-        return epochs
     return min(epochs, int(epochs * epoch_s // CHECKPOINT_SECONDS) + 1)
 
 
@@ -311,15 +307,11 @@ def train(cfg: Config, data: TrainData, backbone: Backbone, out_dir: str | Path,
         dropout.reseed(cfg.seed * 1_000_003 + epoch + 500_009)  # its own stream
         set_train_mode(model)
         losses = [step(xs, ys) for xs, ys in inputs.steps(batches(epoch), epoch)]
-        # every rank decides alike (ranks that disagree on the clock would deadlock)
-        due = torch.tensor(float(epoch + 1 == cfg.epochs
-                                 or time.perf_counter() - saved >= CHECKPOINT_SECONDS))
-        if world > 1:
-            due = due.to(device)
-            torch.distributed.broadcast(due, 0)  # rank 0's clock
+        due = rank0_says(epoch + 1 == cfg.epochs
+                         or time.perf_counter() - saved >= CHECKPOINT_SECONDS, device)
         history.append({"epoch": epoch + 1, "loss": float(np.mean(losses)),
                         "lr": sched.get_last_lr()[0], "seconds": time.perf_counter() - t0})
-        if not due.item():
+        if not due:
             log.info("epoch %d/%d loss %.4f (%.1fs)", epoch + 1, cfg.epochs,
                      history[-1]["loss"], history[-1]["seconds"])
             continue
